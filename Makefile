@@ -1,0 +1,161 @@
+# lgreco build. `make` builds the library and the tools; `make help` lists the targets.
+#
+# Variables (override on the command line, e.g. `make CUDA_HOME=/opt/cuda`):
+#   CUDA_HOME  CUDA toolkit; CUDA sources are built when $(CUDA_HOME)/bin/nvcc exists
+#   NCCL_HOME  where include/nccl.h is (default: CUDA_HOME)
+#   PYTHON     interpreter for Python tools and tests (Debian's python3-* packages live
+#              under /usr/bin/python3; on the GPU machine use the python3 that has torch)
+#   PREFIX     install prefix for `make install`
+#   CXX        C++20 compiler (g++ 12 or newer)
+
+CUDA_HOME ?= /usr/local/cuda
+NCCL_HOME ?= $(CUDA_HOME)
+PYTHON    ?= /usr/bin/python3
+PREFIX    ?= /usr/local
+CXX       ?= g++
+BUILD     := build
+
+NVCC      := $(CUDA_HOME)/bin/nvcc
+HAVE_CUDA := $(shell test -x $(NVCC) && echo 1)
+HAVE_NCCL_H := $(shell test -f $(NCCL_HOME)/include/nccl.h && echo 1)
+GIT_REV   := $(shell git rev-parse --short HEAD 2>/dev/null || echo unknown)
+
+# Baseline x86-64 (no -march): the library must load on any x86-64 node of a cluster.
+# Hot CPU loops are compiled a second time for AVX2 and picked at load time
+# (kernels/cpu_dispatch.h). -ffp-contract=off: no FMA contraction, so the CPU reference
+# and the CUDA kernels round identically (docs/FORMAT.md). -fno-math-errno only lets
+# floor() inline; no -ffast-math anywhere.
+CPPFLAGS  := -I. -MMD -MP
+ifeq ($(HAVE_NCCL_H),1)
+CPPFLAGS  += -isystem $(NCCL_HOME)/include
+endif
+CXXFLAGS  := -std=c++20 -O2 -g -fPIC -fvisibility=hidden -fvisibility-inlines-hidden \
+             -ffp-contract=off -fno-math-errno -pthread -Wall -Wextra -Wshadow
+KERNEL_CXXFLAGS := -O3
+NVCCFLAGS := -std=c++20 -O3 -g -I. --fmad=false -ccbin $(CXX) \
+             -Xcompiler -fPIC,-fvisibility=hidden,-ffp-contract=off \
+             -gencode arch=compute_80,code=sm_80 \
+             -gencode arch=compute_90,code=sm_90 \
+             -gencode arch=compute_90,code=compute_90
+
+# ---------------------------------------------------------------------------------------
+# Sources. liblgreco_core.a holds everything the tests and tools link; the shared
+# library adds plugin/library.cc (load-time logging and the exported entry points).
+
+CORE_SRCS := $(wildcard config/*.cc) $(wildcard controller/*.cc) \
+             $(filter-out kernels/cuda_env_none.cc,$(wildcard kernels/*.cc)) \
+             $(wildcard plugin/shim/*.cc)
+ifeq ($(HAVE_CUDA),1)
+CU_SRCS   := $(wildcard kernels/*.cu)
+CUDA_LIBS := $(CUDA_HOME)/lib64/libcudart_static.a -ldl -lrt
+else
+CORE_SRCS += kernels/cuda_env_none.cc
+CU_SRCS   :=
+CUDA_LIBS :=
+endif
+SO_SRCS   := plugin/library.cc
+TEST_SRCS := $(wildcard tests/unit/*.cc)
+# Each tools/lgreco_NAME.cc is one program, build/bin/lgreco-NAME ('_' becomes '-').
+TOOL_SRCS := $(wildcard tools/lgreco_*.cc)
+TOOLS     := $(subst _,-,$(basename $(notdir $(TOOL_SRCS))))
+
+obj = $(patsubst %,$(BUILD)/obj/%.o,$(1))
+CORE_OBJS := $(call obj,$(CORE_SRCS) $(CU_SRCS))
+SO_OBJS   := $(call obj,$(SO_SRCS))
+TEST_OBJS := $(call obj,$(TEST_SRCS))
+
+LIB       := $(BUILD)/lib/liblgreco.so
+PLUGIN    := $(BUILD)/lib/libnccl-net-lgreco.so
+CORE_LIB  := $(BUILD)/lib/liblgreco_core.a
+TOOL_BINS := $(addprefix $(BUILD)/bin/,$(TOOLS))
+TEST_BIN  := $(BUILD)/bin/lgreco-unit-tests
+
+.PHONY: all deps test bench demo install clean help
+all: $(LIB) $(PLUGIN) $(TOOL_BINS)
+
+help:
+	@echo "make            build $(LIB) (+ its NCCL plugin name) and build/bin/ tools"
+	@echo "make deps       install the Debian packages the build and tests need (root)"
+	@echo "make test       deps + build + every test suite"
+	@echo "make bench      CPU codec microbenchmarks (one core), as a table"
+	@echo "make demo       deps + build + the quantization codec on a real model's layers"
+	@echo "make install    PREFIX=$(PREFIX): library, plugin name, tools, docs"
+	@echo "CUDA: $(if $(HAVE_CUDA),$(NVCC),not found (CPU-only build))"
+
+deps:
+	@tools/install_deps.sh
+
+# ---------------------------------------------------------------------------------------
+# Compile
+
+$(BUILD)/obj/kernels/%.cc.o: kernels/%.cc
+	@mkdir -p $(@D)
+	$(CXX) $(CPPFLAGS) $(CXXFLAGS) $(KERNEL_CXXFLAGS) -c $< -o $@
+
+$(BUILD)/obj/config/version.cc.o: CPPFLAGS += -DLGRECO_GIT_REVISION='"$(GIT_REV)"'
+
+$(BUILD)/obj/%.cc.o: %.cc
+	@mkdir -p $(@D)
+	$(CXX) $(CPPFLAGS) $(CXXFLAGS) -c $< -o $@
+
+$(BUILD)/obj/%.cu.o: %.cu
+	@mkdir -p $(@D)
+	$(NVCC) $(NVCCFLAGS) -MMD -MP -c $< -o $@
+
+# ---------------------------------------------------------------------------------------
+# Link
+
+$(CORE_LIB): $(CORE_OBJS)
+	@mkdir -p $(@D)
+	rm -f $@ && ar rcs $@ $^
+
+# libstdc++ and libgcc are linked statically and hidden: the library is loaded into
+# frameworks that may bring an older libstdc++ of their own (conda), and must not
+# depend on which one the process already has.
+$(LIB): $(SO_OBJS) $(CORE_LIB)
+	@mkdir -p $(@D)
+	$(CXX) -shared -o $@ -Wl,-soname,liblgreco.so -Wl,-z,defs -Wl,--exclude-libs,ALL \
+	  -static-libstdc++ -static-libgcc $(SO_OBJS) -Wl,--whole-archive $(CORE_LIB) -Wl,--no-whole-archive \
+	  $(CUDA_LIBS) -ldl -pthread
+
+$(PLUGIN): $(LIB)
+	ln -sf liblgreco.so $@
+
+.SECONDEXPANSION:
+$(TOOL_BINS): $(BUILD)/bin/%: $$(call obj,tools/$$(subst -,_,%).cc) $(CORE_LIB)
+	@mkdir -p $(@D)
+	$(CXX) -o $@ $< $(CORE_LIB) $(CUDA_LIBS) -ldl -pthread
+
+$(TEST_BIN): $(TEST_OBJS) $(CORE_LIB)
+	@mkdir -p $(@D)
+	$(CXX) -o $@ $(TEST_OBJS) $(CORE_LIB) $(CUDA_LIBS) -lboost_unit_test_framework -ldl -pthread
+
+$(TEST_OBJS): CPPFLAGS += -DBOOST_TEST_DYN_LINK
+
+# ---------------------------------------------------------------------------------------
+# Run
+
+# Every suite runs in one Boost.Test runner, which ends with its summary. The tool and
+# file-format suites run the built binaries and $(PYTHON).
+test: deps all $(TEST_BIN)
+	LGRECO_BIN_DIR=$(CURDIR)/$(BUILD)/bin LGRECO_LIB=$(CURDIR)/$(LIB) LGRECO_PYTHON=$(PYTHON) \
+	LGRECO_NCCL_LIB=$(NCCL_HOME)/lib64/libnccl.so LGRECO_SOURCE_DIR=$(CURDIR) \
+	  $(TEST_BIN) --report_level=short --log_level=warning
+
+bench: $(BUILD)/bin/lgreco-codec-bench
+	$(BUILD)/bin/lgreco-codec-bench
+
+demo: deps all
+	$(BUILD)/bin/lgreco-quant-demo
+
+install: all
+	install -d $(DESTDIR)$(PREFIX)/lib $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/share/doc/lgreco
+	install -m 0755 $(LIB) $(DESTDIR)$(PREFIX)/lib/liblgreco.so
+	ln -sf liblgreco.so $(DESTDIR)$(PREFIX)/lib/libnccl-net-lgreco.so
+	install -m 0755 $(TOOL_BINS) $(DESTDIR)$(PREFIX)/bin/
+	install -m 0644 README.md docs/*.md $(DESTDIR)$(PREFIX)/share/doc/lgreco/
+
+clean:
+	rm -rf $(BUILD)
+
+-include $(shell find $(BUILD)/obj -name '*.d' 2>/dev/null)
