@@ -1,0 +1,135 @@
+#include "kernels/codec.h"
+
+#include <cstring>
+#include <limits>
+#include <string>
+
+#include "kernels/quant.h"
+#include "kernels/quant_math.h"
+
+namespace lgreco {
+namespace {
+
+void check_buffer(uint64_t have, uint64_t need, const char* what) {
+  if (have < need)
+    throw CodecError(std::string(what) + ": buffer of " + std::to_string(have) + " bytes, needs " +
+                     std::to_string(need));
+}
+
+// `none`: the values themselves, in the layer's element type (little-endian). With a
+// residual the sent value is input + residual rounded to that type, and the residual
+// keeps the rounding error (zero for float32).
+class NoneCodec final : public Codec {
+ public:
+  NoneCodec(const CodecSpec& spec, DType dtype) : Codec(spec, dtype) {}
+
+  uint64_t encoded_bytes(uint64_t count) const override { return count * dtype_size(dtype()); }
+
+  EncodeReport encode(const NoiseKey&, const Slice& in, float* residual, std::span<uint8_t> out) const override {
+    check_buffer(out.size(), encoded_bytes(in.count), "none encode");
+    EncodeReport report;
+    for (uint64_t i = 0; i < in.count; ++i) {
+      const float x = load_as_float(in.data, dtype(), i);
+      const float v = residual ? x + residual[i] : x;
+      store_from_float(out.data(), dtype(), i, v);
+      if (!quant::is_finite_value(v)) {
+        ++report.nonfinite_buckets;  // each value is its own "bucket"
+        continue;
+      }
+      if (residual) residual[i] = v - load_as_float(out.data(), dtype(), i);
+    }
+    return report;
+  }
+
+  void decode(std::span<const uint8_t> in, uint64_t count, DType out_dtype, void* out) const override {
+    check_buffer(in.size(), encoded_bytes(count), "none decode");
+    for (uint64_t i = 0; i < count; ++i) store_from_float(out, out_dtype, i, load_as_float(in.data(), dtype(), i));
+  }
+
+  void decode_accumulate(std::span<const uint8_t> in, uint64_t count, float* acc) const override {
+    check_buffer(in.size(), encoded_bytes(count), "none decode_accumulate");
+    for (uint64_t i = 0; i < count; ++i) acc[i] += load_as_float(in.data(), dtype(), i);
+  }
+};
+
+class QuantCodec final : public Codec {
+ public:
+  QuantCodec(const CodecSpec& spec, DType dtype) : Codec(spec, dtype), p_(spec.quant_params()) { p_.validate(); }
+
+  uint64_t encoded_bytes(uint64_t count) const override { return quant::encoded_bytes(p_, count); }
+
+  EncodeReport encode(const NoiseKey& noise, const Slice& in, float* residual, std::span<uint8_t> out) const override {
+    return quant::encode(p_, noise, dtype(), in, residual, out);
+  }
+  void decode(std::span<const uint8_t> in, uint64_t count, DType out_dtype, void* out) const override {
+    quant::decode(p_, in, count, out_dtype, out);
+  }
+  void decode_accumulate(std::span<const uint8_t> in, uint64_t count, float* acc) const override {
+    quant::decode_accumulate(p_, in, count, acc);
+  }
+
+ private:
+  QuantParams p_;
+};
+
+// Error of `none`: what rounding x + residual to the layer's type loses.
+double none_squared_error(DType dtype, const Slice& in, const float* residual, uint64_t* nonfinite) {
+  double sum = 0.0;
+  for (uint64_t i = 0; i < in.count; ++i) {
+    const float x = load_as_float(in.data, dtype, i);
+    const float v = residual ? x + residual[i] : x;
+    if (!quant::is_finite_value(v)) {
+      ++*nonfinite;
+      continue;
+    }
+    uint32_t narrow = 0;  // room for any element type
+    store_from_float(&narrow, dtype, 0, v);
+    const double d = dtype == DType::kFloat32 ? 0.0 : double(v) - double(load_as_float(&narrow, dtype, 0));
+    sum += d * d;
+  }
+  return *nonfinite ? std::numeric_limits<double>::infinity() : sum;
+}
+
+}  // namespace
+
+std::unique_ptr<Codec> Codec::create(const CodecSpec& spec, DType dtype) {
+  if (!is_valid_dtype(static_cast<uint32_t>(dtype))) throw CodecError("codec: invalid element type");
+  switch (spec.family()) {
+    case CodecFamily::kNone: return std::make_unique<NoneCodec>(spec, dtype);
+    case CodecFamily::kQuant: return std::make_unique<QuantCodec>(spec, dtype);
+  }
+  throw CodecError("codec: unknown family in spec " + spec.str());
+}
+
+CandidateReport measure_candidates(std::span<const CodecSpec> specs, DType dtype, const Slice& input,
+                                   const float* residual) {
+  CandidateReport report;
+  report.candidates.resize(specs.size());
+  std::vector<QuantParams> quant;
+  std::vector<size_t> quant_index;
+  bool has_none = false;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    report.candidates[i].bytes = Codec::create(specs[i], dtype)->encoded_bytes(input.count);
+    if (specs[i].family() == CodecFamily::kQuant) {
+      quant.push_back(specs[i].quant_params());
+      quant_index.push_back(i);
+    } else {
+      has_none = true;
+    }
+  }
+  if (!quant.empty()) {
+    std::vector<double> errors(quant.size());
+    report.nonfinite_buckets = quant::squared_errors(quant, dtype, input, residual, errors).nonfinite_buckets;
+    for (size_t k = 0; k < quant.size(); ++k) report.candidates[quant_index[k]].squared_error = errors[k];
+  }
+  if (has_none) {
+    uint64_t nonfinite = 0;
+    const double error = none_squared_error(dtype, input, residual, &nonfinite);
+    for (size_t i = 0; i < specs.size(); ++i)
+      if (specs[i].family() == CodecFamily::kNone) report.candidates[i].squared_error = error;
+    if (quant.empty()) report.nonfinite_buckets = nonfinite;
+  }
+  return report;
+}
+
+}  // namespace lgreco

@@ -1,0 +1,140 @@
+#include "kernels/codec_spec.h"
+
+#include <charconv>
+#include <string>
+#include <vector>
+
+namespace lgreco {
+namespace {
+
+std::string quoted(std::string_view s) {
+  std::string q;
+  q.reserve(s.size() + 2);
+  q.push_back('"');
+  q.append(s);
+  q.push_back('"');
+  return q;
+}
+
+[[noreturn]] void fail(std::string_view spec, const std::string& what) {
+  throw CodecError("codec spec " + quoted(spec) + ": " + what);
+}
+
+// Decimal digits only: no sign, no spaces, no suffix, no overflow.
+bool parse_unsigned(std::string_view text, uint64_t* value) {
+  if (text.empty() || text.size() > 19) return false;
+  for (char c : text)
+    if (c < '0' || c > '9') return false;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), *value);
+  return ec == std::errc() && end == text.data() + text.size();
+}
+
+struct KeyValue {
+  std::string_view key;
+  std::string_view value;
+};
+
+std::vector<KeyValue> split_options(std::string_view spec, std::string_view options) {
+  std::vector<KeyValue> pairs;
+  if (options.empty()) fail(spec, "nothing after ':'; expected key=value pairs or no ':'");
+  size_t start = 0;
+  while (start <= options.size()) {
+    size_t comma = options.find(',', start);
+    if (comma == std::string_view::npos) comma = options.size();
+    const std::string_view item = options.substr(start, comma - start);
+    const size_t eq = item.find('=');
+    if (item.empty()) fail(spec, "empty option between commas");
+    if (eq == std::string_view::npos) fail(spec, "option " + quoted(item) + " is not of the form key=value");
+    KeyValue kv{item.substr(0, eq), item.substr(eq + 1)};
+    if (kv.key.empty()) fail(spec, "option " + quoted(item) + " has no key");
+    if (kv.value.empty()) fail(spec, "option " + quoted(kv.key) + " has no value");
+    for (const KeyValue& seen : pairs)
+      if (seen.key == kv.key) fail(spec, "option " + quoted(kv.key) + " is given twice");
+    pairs.push_back(kv);
+    start = comma + 1;
+  }
+  return pairs;
+}
+
+QuantParams parse_quant(std::string_view spec, const std::vector<KeyValue>& options) {
+  QuantParams p;
+  for (const KeyValue& kv : options) {
+    uint64_t number = 0;
+    if (kv.key == "bits") {
+      if (!parse_unsigned(kv.value, &number) || number < QuantParams::kMinBits || number > QuantParams::kMaxBits)
+        fail(spec, "bits=" + std::string(kv.value) + " is out of range; expected an integer " +
+                       std::to_string(QuantParams::kMinBits) + ".." + std::to_string(QuantParams::kMaxBits));
+      p.bits = static_cast<int>(number);
+    } else if (kv.key == "bucket") {
+      if (!parse_unsigned(kv.value, &number) || number < QuantParams::kMinBucket ||
+          number > QuantParams::kMaxBucket || number % QuantParams::kBucketMultiple != 0)
+        fail(spec, "bucket=" + std::string(kv.value) + " is invalid; expected a multiple of " +
+                       std::to_string(QuantParams::kBucketMultiple) + " in " +
+                       std::to_string(QuantParams::kMinBucket) + ".." + std::to_string(QuantParams::kMaxBucket));
+      p.bucket = static_cast<uint32_t>(number);
+    } else if (kv.key == "rounding") {
+      if (kv.value == "stochastic") p.rounding = Rounding::kStochastic;
+      else if (kv.value == "nearest") p.rounding = Rounding::kNearest;
+      else fail(spec, "rounding=" + std::string(kv.value) + " is unknown; expected stochastic or nearest");
+    } else {
+      fail(spec, "unknown option " + quoted(kv.key) + " for quant; expected bits, bucket or rounding");
+    }
+  }
+  return p;
+}
+
+}  // namespace
+
+void QuantParams::validate() const {
+  if (bits < kMinBits || bits > kMaxBits)
+    throw CodecError("quant: bits=" + std::to_string(bits) + " is out of range 1..8");
+  if (bucket < kMinBucket || bucket > kMaxBucket || bucket % kBucketMultiple != 0)
+    throw CodecError("quant: bucket=" + std::to_string(bucket) + " must be a multiple of 32 in 32.." +
+                     std::to_string(kMaxBucket));
+  if (rounding != Rounding::kStochastic && rounding != Rounding::kNearest)
+    throw CodecError("quant: invalid rounding mode");
+}
+
+CodecSpec CodecSpec::quant(const QuantParams& p) {
+  p.validate();
+  return CodecSpec{p};
+}
+
+CodecSpec CodecSpec::parse(std::string_view text) {
+  const size_t colon = text.find(':');
+  const std::string_view family = text.substr(0, colon);
+  const bool has_options = colon != std::string_view::npos;
+  const std::vector<KeyValue> options =
+      has_options ? split_options(text, text.substr(colon + 1)) : std::vector<KeyValue>{};
+  if (family == "none") {
+    if (has_options) fail(text, "none takes no options");
+    return none();
+  }
+  if (family == "quant") return CodecSpec{parse_quant(text, options)};
+  if (family.empty()) fail(text, "missing codec family; expected none or quant");
+  fail(text, "unknown codec family " + quoted(family) + "; expected none or quant");
+}
+
+std::string CodecSpec::str() const {
+  switch (family()) {
+    case CodecFamily::kNone: return "none";
+    case CodecFamily::kQuant: {
+      const QuantParams& p = quant_params();
+      return "quant:bits=" + std::to_string(p.bits) + ",bucket=" + std::to_string(p.bucket) +
+             ",rounding=" + rounding_name(p.rounding);
+    }
+  }
+  return "invalid";
+}
+
+const char* family_name(CodecFamily f) {
+  switch (f) {
+    case CodecFamily::kNone: return "none";
+    case CodecFamily::kQuant: return "quant";
+  }
+  return "invalid";
+}
+
+const char* rounding_name(Rounding r) { return r == Rounding::kNearest ? "nearest" : "stochastic"; }
+
+}  // namespace lgreco
