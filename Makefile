@@ -70,7 +70,7 @@ CORE_LIB  := $(BUILD)/lib/liblgreco_core.a
 TOOL_BINS := $(addprefix $(BUILD)/bin/,$(TOOLS))
 TEST_BIN  := $(BUILD)/bin/lgreco-unit-tests
 
-.PHONY: all deps test bench demo install clean help
+.PHONY: all deps test bench demo install clean help FORCE
 all: $(LIB) $(PLUGIN) $(TOOL_BINS)
 
 help:
@@ -92,7 +92,16 @@ $(BUILD)/obj/kernels/%.cc.o: kernels/%.cc
 	@mkdir -p $(@D)
 	$(CXX) $(CPPFLAGS) $(CXXFLAGS) $(KERNEL_CXXFLAGS) -c $< -o $@
 
-$(BUILD)/obj/config/version.cc.o: CPPFLAGS += -DLGRECO_GIT_REVISION='"$(GIT_REV)"'
+# The git revision goes into a generated header that changes only when HEAD does, so
+# the version string stays true without rebuilding everything.
+GIT_REV_HEADER := $(BUILD)/gen/git_revision.h
+$(GIT_REV_HEADER): FORCE
+	@mkdir -p $(@D)
+	@echo '#define LGRECO_GIT_REVISION "$(GIT_REV)"' > $@.tmp
+	@cmp -s $@.tmp $@ && rm -f $@.tmp || mv -f $@.tmp $@
+$(BUILD)/obj/config/version.cc.o: $(GIT_REV_HEADER)
+$(BUILD)/obj/config/version.cc.o: CPPFLAGS += -I$(BUILD)/gen
+FORCE:
 
 $(BUILD)/obj/%.cc.o: %.cc
 	@mkdir -p $(@D)

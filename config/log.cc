@@ -33,7 +33,7 @@ std::mutex g_write_mutex;
 }  // namespace
 
 bool parse_level(const char* text, Level* level) {
-  for (Level l : {Level::kNone, Level::kVersion, Level::kWarn, Level::kInfo, Level::kTrace}) {
+  for (Level l : {Level::kNone, Level::kWarn, Level::kVersion, Level::kInfo, Level::kTrace}) {
     if (strcasecmp(text, level_name(l)) == 0) {
       *level = l;
       return true;
@@ -47,7 +47,7 @@ int detail::init_level() {
   Level level = Level::kWarn;
   const bool bad = env && *env && !parse_level(env, &level);
   g_level.store(static_cast<int>(level), std::memory_order_relaxed);
-  if (bad) emit(Level::kWarn, "CONFIG", "LGRECO_DEBUG=%s is not a level (NONE, VERSION, WARN, INFO, TRACE); using WARN", env);
+  if (bad) emit(Level::kWarn, "CONFIG", "LGRECO_DEBUG=%s is not a level (NONE, WARN, VERSION, INFO, TRACE); using WARN", env);
   return static_cast<int>(level);
 }
 

@@ -1,10 +1,12 @@
 // Logging in the manner of NCCL_DEBUG.
 //
-//   LGRECO_DEBUG=NONE|VERSION|WARN|INFO|TRACE   (default WARN)
+//   LGRECO_DEBUG=NONE|WARN|VERSION|INFO|TRACE   (default WARN)
 //
 // WARN is on by default because lgreco runs inside other people's training jobs: a
 // fallback to uncompressed NCCL that nobody can see would be a silent change of
-// behaviour. Lines go to stderr as
+// behaviour. Unlike NCCL, VERSION ranks above WARN: LD_PRELOAD reaches every child
+// process of a job (shells, data-loader workers), and a default that printed the version
+// line would print it in all of them. Lines go to stderr as
 //   host:pid:tid lgreco LEVEL SUBSYS message
 // A disabled level costs one relaxed atomic load; arguments are not evaluated.
 // (The registration/parameters issue adds LGRECO_DEBUG_FILE and subsystem masks.)
@@ -14,7 +16,7 @@
 
 namespace lgreco::log {
 
-enum class Level : int { kNone = 0, kVersion = 1, kWarn = 2, kInfo = 3, kTrace = 4 };
+enum class Level : int { kNone = 0, kWarn = 1, kVersion = 2, kInfo = 3, kTrace = 4 };
 
 namespace detail {
 extern std::atomic<int> g_level;  // -1 until the environment has been read

@@ -21,8 +21,13 @@ namespace lgreco::quant {
 // Codes are stored as bit planes of 32 consecutive elements (see docs/FORMAT.md).
 constexpr uint32_t kGroupElements = 32;
 
-// The canonical NaN stored in both fields of a non-finite bucket.
+// The NaN stored in both metadata fields of a non-finite bucket.
 constexpr uint32_t kNonFiniteBits = 0x7fc00000u;
+
+// The NaN every element of a non-finite bucket decodes to in float32: CUDA's canonical
+// NaN, written explicitly by both implementations, so their bits agree (x86 arithmetic
+// would pass the stored NaN's bits through, a GPU would produce its canonical one).
+constexpr uint32_t kDecodedNaNBits = 0x7fffffffu;
 
 struct BucketMeta {
   float min;
@@ -75,7 +80,9 @@ LGRECO_HD BucketMeta bucket_meta(float min_value, float max_value, bool all_fini
   return BucketMeta{lo, unit};
 }
 
-LGRECO_HD bool is_finite_bucket(const BucketMeta& m) { return is_finite_value(m.min); }
+// False for a bucket stored as non-finite (and for any corrupt metadata that is not
+// finite): all its elements decode to kDecodedNaNBits.
+LGRECO_HD bool is_finite_bucket(const BucketMeta& m) { return is_finite_value(m.min) && is_finite_value(m.unit); }
 
 // The code of value v in a bucket with unit > 0. `threshold` is the rounding noise: a
 // uniform value in [0, 1) for stochastic rounding (rounds up with probability equal to the

@@ -222,15 +222,21 @@ LGRECO_CLONE_INLINE BucketMeta read_meta(const uint8_t* in, uint64_t b) {
   return m;
 }
 
-// Calls sink(element index, decoded value) for every element, in order.
-template <typename Sink>
-LGRECO_CLONE_INLINE void decode_loop(const QuantParams& p, const uint8_t* in, uint64_t count, Sink&& sink) {
+// Calls sink(element index, decoded value) for every element of a finite bucket and
+// sink_nan(begin, end) for the elements of each non-finite bucket.
+template <typename Sink, typename NanSink>
+LGRECO_CLONE_INLINE void decode_loop(const QuantParams& p, const uint8_t* in, uint64_t count, Sink&& sink,
+                                     NanSink&& sink_nan) {
   const uint8_t* words_in = in + meta_bytes(p, count);
   alignas(32) uint8_t codes[kGroup];
   uint32_t planes[QuantParams::kMaxBits];
   for (uint64_t begin = 0, b = 0; begin < count; begin += p.bucket, ++b) {
     const BucketMeta meta = read_meta(in, b);
     const uint64_t end = std::min<uint64_t>(begin + p.bucket, count);
+    if (!is_finite_bucket(meta)) {
+      sink_nan(begin, end);
+      continue;
+    }
     for (uint64_t first = begin; first < end; first += kGroup) {
       memcpy(planes, words_in + 4 * p.bits * (first / kGroup), 4 * p.bits);
       unpack_planes(planes, p.bits, codes);
@@ -244,16 +250,28 @@ LGRECO_CLONE_INLINE void decode_loop(const QuantParams& p, const uint8_t* in, ui
   }
 }
 
+const float kDecodedNaN = bits_float(kDecodedNaNBits);
+
 LGRECO_MULTIVERSION void decode_f32(const QuantParams& p, const uint8_t* in, uint64_t count, float* out) {
-  decode_loop(p, in, count, [out](uint64_t i, float y) { out[i] = y; });
+  decode_loop(
+      p, in, count, [out](uint64_t i, float y) { out[i] = y; },
+      [out](uint64_t begin, uint64_t end) { std::fill(out + begin, out + end, kDecodedNaN); });
 }
 
 void decode_narrow(const QuantParams& p, const uint8_t* in, uint64_t count, DType t, void* out) {
-  decode_loop(p, in, count, [out, t](uint64_t i, float y) { store_from_float(out, t, i, y); });
+  decode_loop(
+      p, in, count, [out, t](uint64_t i, float y) { store_from_float(out, t, i, y); },
+      [out, t](uint64_t begin, uint64_t end) {
+        for (uint64_t i = begin; i < end; ++i) store_from_float(out, t, i, kDecodedNaN);
+      });
 }
 
+// A non-finite bucket replaces the sum by the canonical NaN rather than adding it, so the
+// result's bits do not depend on what the accumulator held.
 LGRECO_MULTIVERSION void decode_accumulate_f32(const QuantParams& p, const uint8_t* in, uint64_t count, float* acc) {
-  decode_loop(p, in, count, [acc](uint64_t i, float y) { acc[i] = acc[i] + y; });
+  decode_loop(
+      p, in, count, [acc](uint64_t i, float y) { acc[i] = acc[i] + y; },
+      [acc](uint64_t begin, uint64_t end) { std::fill(acc + begin, acc + end, kDecodedNaN); });
 }
 
 // ---------------------------------------------------------------------------------------

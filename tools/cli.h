@@ -1,0 +1,77 @@
+// Small helpers shared by the command-line tools: strict number parsing, whole-file I/O
+// with errors that name the file, and the usage/error exit convention
+// (0 success, 1 runtime error, 2 usage error).
+#pragma once
+
+#include <cerrno>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace lgreco::cli {
+
+// A mistake in the command line: reported with a hint to --help, exit code 2.
+class UsageError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// Decimal or 0x-hex unsigned integer, the whole string, no sign, no overflow.
+inline uint64_t parse_u64(std::string_view option, const std::string& text) {
+  const char* s = text.c_str();
+  if (text.empty() || text[0] == '-' || text[0] == '+' || text[0] == ' ')
+    throw UsageError(std::string(option) + " expects an unsigned integer, got '" + text + "'");
+  errno = 0;
+  char* end = nullptr;
+  const unsigned long long v = strtoull(s, &end, 0);
+  if (errno != 0 || end == s || *end != '\0')
+    throw UsageError(std::string(option) + " expects an unsigned integer, got '" + text + "'");
+  return v;
+}
+
+inline uint32_t parse_u32(std::string_view option, const std::string& text) {
+  const uint64_t v = parse_u64(option, text);
+  if (v > UINT32_MAX) throw UsageError(std::string(option) + " is out of range (at most 4294967295): " + text);
+  return static_cast<uint32_t>(v);
+}
+
+inline std::vector<uint8_t> read_file(const std::string& path) {
+  FILE* f = fopen(path.c_str(), "rb");
+  if (!f) throw std::runtime_error("cannot open '" + path + "': " + strerror(errno));
+  std::vector<uint8_t> data;
+  uint8_t chunk[1 << 16];
+  size_t n;
+  while ((n = fread(chunk, 1, sizeof chunk, f)) > 0) data.insert(data.end(), chunk, chunk + n);
+  const bool failed = ferror(f);
+  fclose(f);
+  if (failed) throw std::runtime_error("cannot read '" + path + "': " + strerror(errno));
+  return data;
+}
+
+inline void write_file(const std::string& path, const void* data, size_t size) {
+  FILE* f = fopen(path.c_str(), "wb");
+  if (!f) throw std::runtime_error("cannot create '" + path + "': " + strerror(errno));
+  const bool ok = (size == 0 || fwrite(data, 1, size, f) == size);
+  const int saved = errno;
+  if (fclose(f) != 0 || !ok) {
+    remove(path.c_str());
+    throw std::runtime_error("cannot write '" + path + "': " + strerror(ok ? errno : saved));
+  }
+}
+
+// A raw little-endian float32 file.
+inline std::vector<float> read_f32(const std::string& path) {
+  const std::vector<uint8_t> bytes = read_file(path);
+  if (bytes.size() % 4 != 0)
+    throw std::runtime_error("'" + path + "': size " + std::to_string(bytes.size()) +
+                             " bytes is not a multiple of 4 (raw little-endian float32 expected)");
+  std::vector<float> values(bytes.size() / 4);
+  if (!bytes.empty()) memcpy(values.data(), bytes.data(), bytes.size());
+  return values;
+}
+
+}  // namespace lgreco::cli

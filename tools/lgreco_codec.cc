@@ -1,0 +1,185 @@
+// lgreco-codec: encode, decode and measure gradient codecs on files, outside training.
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "config/version.h"
+#include "kernels/codec.h"
+#include "kernels/lgc_file.h"
+#include "tools/cli.h"
+
+namespace lgreco {
+namespace {
+
+const char kUsage[] = R"(usage:
+  lgreco-codec encode --codec SPEC [--seed N] [--rank R] [--step S] [--layer L] IN.f32 OUT.lgc
+  lgreco-codec decode IN.lgc OUT.f32
+  lgreco-codec stats --codec SPEC [--codec SPEC ...] [--seed N] IN.f32
+  lgreco-codec info IN.lgc
+  lgreco-codec --help | --version
+
+IN.f32 and OUT.f32 are raw little-endian float32 arrays. OUT.lgc is an encoded layer
+with its codec, count and noise key in a checksummed header (docs/FORMAT.md).
+
+Codec specs (docs/FORMAT.md):
+  none                                      the values themselves
+  quant[:bits=B,bucket=N,rounding=R]        max-min bucketed quantization;
+                                            B in 1..8 (default 4), N a multiple of 32
+                                            (default 1024), R stochastic (default) or nearest
+
+encode   --seed, --rank, --step, --layer key the stochastic-rounding noise (default 0).
+stats    prints one line per candidate: spec, encoded bytes, L2 error ||x - C(x)||, and
+         that error relative to ||x||. For stochastic rounding the error is the exact
+         expectation over the rounding noise (sqrt of the expected squared error), so it
+         does not depend on --seed; for nearest rounding it is the actual error.
+info     prints the header of an .lgc file.
+
+Exit status: 0 success, 1 error (unreadable or corrupt file, ...), 2 bad command line.
+)";
+
+struct Options {
+  std::vector<std::string> specs;
+  NoiseKey noise;
+  std::vector<std::string> positional;
+};
+
+Options parse_options(int argc, char** argv, int first, bool allow_noise_key) {
+  Options o;
+  for (int i = first; i < argc; ++i) {
+    const std::string arg = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) throw cli::UsageError(arg + " needs a value");
+      return argv[++i];
+    };
+    if (arg == "--codec") o.specs.push_back(value());
+    else if (arg == "--seed") o.noise.seed = cli::parse_u64(arg, value());
+    else if (allow_noise_key && arg == "--rank") o.noise.rank = cli::parse_u32(arg, value());
+    else if (allow_noise_key && arg == "--step") o.noise.step = cli::parse_u64(arg, value());
+    else if (allow_noise_key && arg == "--layer") o.noise.layer = cli::parse_u32(arg, value());
+    else if (arg.size() > 1 && arg[0] == '-') throw cli::UsageError("unknown option " + arg);
+    else o.positional.push_back(arg);
+  }
+  return o;
+}
+
+// A bad spec on the command line is a usage error (exit 2), not a runtime one.
+CodecSpec parse_spec(const std::string& text) {
+  try {
+    return CodecSpec::parse(text);
+  } catch (const CodecError& e) {
+    throw cli::UsageError(e.what());
+  }
+}
+
+void expect_positional(const Options& o, size_t n, const char* what) {
+  if (o.positional.size() != n)
+    throw cli::UsageError(std::string("expected ") + what + ", got " + std::to_string(o.positional.size()) +
+                          " file argument(s)");
+}
+
+int cmd_encode(const Options& o) {
+  expect_positional(o, 2, "IN.f32 OUT.lgc");
+  if (o.specs.size() != 1) throw cli::UsageError("encode needs exactly one --codec");
+  const CodecSpec spec = parse_spec(o.specs[0]);
+  const std::vector<float> x = cli::read_f32(o.positional[0]);
+  if (x.size() > kMaxLayerElements) throw std::runtime_error(o.positional[0] + ": more than 2^34 values");
+  const auto codec = Codec::create(spec, DType::kFloat32);
+  std::vector<uint8_t> payload(codec->encoded_bytes(x.size()));
+  const EncodeReport report = codec->encode(o.noise, Slice{x.data(), x.size(), 0}, nullptr, payload);
+  if (report.nonfinite_buckets)
+    fprintf(stderr, "lgreco-codec: warning: %s: %llu bucket(s) hold NaN or Inf and decode to NaN\n",
+            o.positional[0].c_str(), static_cast<unsigned long long>(report.nonfinite_buckets));
+  const std::vector<uint8_t> file = serialize_lgc(LgcHeader{spec, DType::kFloat32, x.size(), o.noise}, payload);
+  cli::write_file(o.positional[1], file.data(), file.size());
+  return 0;
+}
+
+int cmd_decode(const Options& o) {
+  expect_positional(o, 2, "IN.lgc OUT.f32");
+  if (!o.specs.empty()) throw cli::UsageError("decode takes the codec from the file; --codec is not allowed");
+  const LgcFile f = parse_lgc(cli::read_file(o.positional[0]), o.positional[0]);
+  std::vector<float> y(f.header.count);
+  Codec::create(f.header.spec, f.header.dtype)->decode(f.payload, f.header.count, DType::kFloat32, y.data());
+  cli::write_file(o.positional[1], y.data(), y.size() * sizeof(float));
+  return 0;
+}
+
+int cmd_stats(const Options& o) {
+  expect_positional(o, 1, "IN.f32");
+  if (o.specs.empty()) throw cli::UsageError("stats needs at least one --codec");
+  std::vector<CodecSpec> specs;
+  for (const std::string& s : o.specs) specs.push_back(parse_spec(s));
+  const std::vector<float> x = cli::read_f32(o.positional[0]);
+  if (x.size() > kMaxLayerElements) throw std::runtime_error(o.positional[0] + ": more than 2^34 values");
+  const CandidateReport report = measure_candidates(specs, DType::kFloat32, Slice{x.data(), x.size(), 0}, nullptr);
+  double norm2 = 0.0;
+  for (float v : x) norm2 += double(v) * v;
+  printf("# %s: %zu float32 values, %zu bytes, ||x|| = %.6e\n", o.positional[0].c_str(), x.size(), x.size() * 4,
+         std::sqrt(norm2));
+  printf("# spec bytes l2_error rel_error\n");
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const CandidateError& c = report.candidates[i];
+    const double l2 = std::sqrt(c.squared_error);
+    printf("%s %llu %.6e %.6e\n", specs[i].str().c_str(), static_cast<unsigned long long>(c.bytes), l2,
+           norm2 > 0 ? l2 / std::sqrt(norm2) : 0.0);
+  }
+  if (report.nonfinite_buckets)
+    fprintf(stderr, "lgreco-codec: warning: %s: %llu bucket(s) hold NaN or Inf: their errors are infinite\n",
+            o.positional[0].c_str(), static_cast<unsigned long long>(report.nonfinite_buckets));
+  return 0;
+}
+
+int cmd_info(const Options& o) {
+  expect_positional(o, 1, "IN.lgc");
+  const std::vector<uint8_t> bytes = cli::read_file(o.positional[0]);
+  const LgcFile f = parse_lgc(bytes, o.positional[0]);
+  const LgcHeader& h = f.header;
+  printf("codec %s\ndtype %s\ncount %llu\npayload_bytes %zu\nfile_bytes %zu\nseed %llu\nrank %u\nstep %llu\nlayer %u\n",
+         h.spec.str().c_str(), dtype_name(h.dtype), static_cast<unsigned long long>(h.count), f.payload.size(),
+         bytes.size(), static_cast<unsigned long long>(h.noise.seed), h.noise.rank,
+         static_cast<unsigned long long>(h.noise.step), h.noise.layer);
+  return 0;
+}
+
+int run(int argc, char** argv) {
+  if (argc < 2) throw cli::UsageError("missing command");
+  const std::string command = argv[1];
+  if (command == "--help" || command == "-h" || command == "help") {
+    fputs(kUsage, stdout);
+    return 0;
+  }
+  if (command == "--version") {
+    printf("lgreco-codec %s\n", version_string());
+    return 0;
+  }
+  for (int i = 2; i < argc; ++i)
+    if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
+      fputs(kUsage, stdout);
+      return 0;
+    }
+  if (command == "encode") return cmd_encode(parse_options(argc, argv, 2, true));
+  if (command == "decode") return cmd_decode(parse_options(argc, argv, 2, false));
+  if (command == "stats") return cmd_stats(parse_options(argc, argv, 2, false));
+  if (command == "info") return cmd_info(parse_options(argc, argv, 2, false));
+  throw cli::UsageError("unknown command '" + command + "'");
+}
+
+}  // namespace
+}  // namespace lgreco
+
+int main(int argc, char** argv) {
+  try {
+    return lgreco::run(argc, argv);
+  } catch (const lgreco::cli::UsageError& e) {
+    fprintf(stderr, "lgreco-codec: %s\nTry 'lgreco-codec --help'.\n", e.what());
+    return 2;
+  } catch (const std::bad_alloc&) {
+    fprintf(stderr, "lgreco-codec: error: out of memory\n");
+    return 1;
+  } catch (const std::exception& e) {
+    fprintf(stderr, "lgreco-codec: error: %s\n", e.what());
+    return 1;
+  }
+}

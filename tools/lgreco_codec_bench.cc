@@ -1,0 +1,180 @@
+// lgreco-codec-bench: throughput of the CPU reference codec on one core, as a table.
+//
+// Every row times one operation over the same input (default 16 Mi float32 values,
+// larger than the last-level cache, so memory traffic is real) and reports the median of
+// the repetitions. GB/s counts the float32 input bytes (count x 4) for every operation,
+// the unit of the targets in issue "Foundation and the quantization codec". A memcpy of
+// the input in the same run gives the machine's ceiling for comparison.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <ctime>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "config/version.h"
+#include "kernels/codec.h"
+#include "kernels/quant.h"
+#include "tools/cli.h"
+
+namespace lgreco {
+namespace {
+
+const char kUsage[] = R"(usage: lgreco-codec-bench [--count N] [--reps R] [--bits B] [--bucket N]
+
+Times the CPU reference quantization codec on one core: encode, encode with error
+feedback, decode, decode-accumulate, and the error statistics of 7 candidates (bits
+2..8), for float32 input, plus float16/bfloat16 encode. Prints the median GB/s of
+float32 input over R repetitions, and the targets of the foundation issue.
+
+  --count N   values per run (default 16777216)
+  --reps R    repetitions, median reported (default 9)
+  --bits B    bit width of the single-candidate rows (default 4)
+  --bucket N  bucket size (default 1024)
+)";
+
+double seconds_now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// Median wall time of `reps` calls of fn (after one warm-up call).
+double median_seconds(int reps, const std::function<void()>& fn) {
+  fn();
+  std::vector<double> t;
+  for (int r = 0; r < reps; ++r) {
+    const double start = seconds_now();
+    fn();
+    t.push_back(seconds_now() - start);
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+std::string cpu_model() {
+  FILE* f = fopen("/proc/cpuinfo", "r");
+  if (!f) return "unknown";
+  char line[512];
+  std::string model = "unknown";
+  while (fgets(line, sizeof line, f)) {
+    if (!strncmp(line, "model name", 10)) {
+      const char* colon = strchr(line, ':');
+      if (colon) model = std::string(colon + 2, strcspn(colon + 2, "\n"));
+      break;
+    }
+  }
+  fclose(f);
+  return model;
+}
+
+int run(int argc, char** argv) {
+  uint64_t count = uint64_t{1} << 24;
+  int reps = 9;
+  QuantParams p;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) throw cli::UsageError(arg + " needs a value");
+      return argv[++i];
+    };
+    if (arg == "--help" || arg == "-h") {
+      fputs(kUsage, stdout);
+      return 0;
+    } else if (arg == "--count") {
+      count = cli::parse_u64(arg, value());
+    } else if (arg == "--reps") {
+      reps = static_cast<int>(cli::parse_u32(arg, value()));
+    } else if (arg == "--bits") {
+      p.bits = static_cast<int>(cli::parse_u32(arg, value()));
+    } else if (arg == "--bucket") {
+      p.bucket = cli::parse_u32(arg, value());
+    } else {
+      throw cli::UsageError("unknown option " + arg);
+    }
+  }
+  if (count == 0 || count > (uint64_t{1} << 31)) throw cli::UsageError("--count must be in 1..2^31");
+  if (reps < 1) throw cli::UsageError("--reps must be at least 1");
+  try {
+    p.validate();
+  } catch (const CodecError& e) {
+    throw cli::UsageError(e.what());
+  }
+
+  std::mt19937_64 rng(12345);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> x(count), residual(count), acc(count), y(count), copy(count);
+  for (auto& v : x) v = normal(rng);
+  for (auto& v : residual) v = 0.01f * normal(rng);
+  std::vector<uint16_t> half(count), bf16(count);
+  for (uint64_t i = 0; i < count; ++i) {
+    half[i] = float_to_half_rn(x[i]);
+    bf16[i] = float_to_bf16_rn(x[i]);
+  }
+  std::vector<uint8_t> encoded(quant::encoded_bytes(p, count));
+  std::vector<QuantParams> candidates;
+  for (int b = 2; b <= 8; ++b) candidates.push_back(QuantParams{b, p.bucket, p.rounding});
+  std::vector<double> errors(candidates.size());
+  const NoiseKey noise{42, 0, 1, 0};
+  const Slice slice{x.data(), count, 0};
+
+  char date[64];
+  const time_t now = time(nullptr);
+  strftime(date, sizeof date, "%Y-%m-%d %H:%M UTC", gmtime(&now));
+  printf("# lgreco-codec-bench, lgreco %s, %s\n", version_string(), date);
+  printf("# cpu: %s; one thread; %s clone of the hot loops\n", cpu_model().c_str(),
+         __builtin_cpu_supports("avx2") ? "AVX2" : "baseline x86-64");
+  printf("# count %llu values (%.1f MiB float32), bucket %u, median of %d reps; GB/s = count*4 bytes / time\n",
+         static_cast<unsigned long long>(count), count * 4.0 / (1 << 20), p.bucket, reps);
+  printf("%-28s %5s %10s %9s %8s %s\n", "operation", "bits", "time_ms", "GB/s", "target", "");
+
+  const auto row = [&](const char* name, int bits, double target, const std::function<void()>& fn) {
+    const double t = median_seconds(reps, fn);
+    const double gbs = count * 4.0 / t / 1e9;
+    char target_text[16] = "-";
+    if (target > 0) snprintf(target_text, sizeof target_text, "%.2f", target);
+    printf("%-28s %5d %10.3f %9.3f %8s %s\n", name, bits, t * 1e3, gbs, target_text,
+           target > 0 ? (gbs >= target ? "ok" : "MISSED") : "");
+  };
+
+  row("memcpy (ceiling)", 32, 0, [&] { memcpy(copy.data(), x.data(), count * 4); });
+  row("encode", p.bits, 0, [&] { quant::encode(p, noise, DType::kFloat32, slice, nullptr, encoded); });
+  row("encode + error feedback", p.bits, 0.5, [&] {
+    quant::encode(p, noise, DType::kFloat32, slice, residual.data(), encoded);
+  });
+  QuantParams nearest = p;
+  nearest.rounding = Rounding::kNearest;
+  row("encode nearest + feedback", p.bits, 0, [&] {
+    quant::encode(nearest, noise, DType::kFloat32, slice, residual.data(), encoded);
+  });
+  row("encode float16 input", p.bits, 0, [&] {
+    quant::encode(p, noise, DType::kFloat16, Slice{half.data(), count, 0}, nullptr, encoded);
+  });
+  row("encode bfloat16 input", p.bits, 0, [&] {
+    quant::encode(p, noise, DType::kBFloat16, Slice{bf16.data(), count, 0}, nullptr, encoded);
+  });
+  quant::encode(p, noise, DType::kFloat32, slice, nullptr, encoded);
+  row("decode", p.bits, 0, [&] { quant::decode(p, encoded, count, DType::kFloat32, y.data()); });
+  row("decode-accumulate", p.bits, 1.0, [&] { quant::decode_accumulate(p, encoded, count, acc.data()); });
+  row("stats, 7 candidates (2..8)", 0, 0.15, [&] {
+    quant::squared_errors(candidates, DType::kFloat32, slice, residual.data(), errors);
+  });
+  return 0;
+}
+
+}  // namespace
+}  // namespace lgreco
+
+int main(int argc, char** argv) {
+  try {
+    return lgreco::run(argc, argv);
+  } catch (const lgreco::cli::UsageError& e) {
+    fprintf(stderr, "lgreco-codec-bench: %s\nTry 'lgreco-codec-bench --help'.\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    fprintf(stderr, "lgreco-codec-bench: error: %s\n", e.what());
+    return 1;
+  }
+}
