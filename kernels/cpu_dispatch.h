@@ -17,3 +17,12 @@
 // Loops called from a LGRECO_MULTIVERSION function must be inlined into it to be compiled
 // for the clone's target; a separately emitted copy would run baseline code in both.
 #define LGRECO_CLONE_INLINE inline __attribute__((always_inline))
+
+// Which version of the hot loops this process runs, for benchmark and log headers.
+inline const char* cpu_code_path() {
+#if defined(__x86_64__) && !defined(LGRECO_NO_MULTIVERSION)
+  return __builtin_cpu_supports("avx2") ? "AVX2 clone" : "baseline x86-64 clone";
+#else
+  return "single build, no runtime dispatch";
+#endif
+}

@@ -18,6 +18,7 @@
 
 #include "config/version.h"
 #include "kernels/codec.h"
+#include "kernels/cpu_dispatch.h"
 #include "kernels/quant.h"
 #include "tools/cli.h"
 
@@ -124,8 +125,7 @@ int run(int argc, char** argv) {
   const time_t now = time(nullptr);
   strftime(date, sizeof date, "%Y-%m-%d %H:%M UTC", gmtime(&now));
   printf("# lgreco-codec-bench, lgreco %s, %s\n", version_string(), date);
-  printf("# cpu: %s; one thread; %s clone of the hot loops\n", cpu_model().c_str(),
-         __builtin_cpu_supports("avx2") ? "AVX2" : "baseline x86-64");
+  printf("# cpu: %s; one thread; hot loops: %s\n", cpu_model().c_str(), cpu_code_path());
   printf("# count %llu values (%.1f MiB float32), bucket %u, median of %d reps; GB/s = count*4 bytes / time\n",
          static_cast<unsigned long long>(count), count * 4.0 / (1 << 20), p.bucket, reps);
   printf("%-28s %5s %10s %9s %8s %s\n", "operation", "bits", "time_ms", "GB/s", "target", "");
