@@ -146,7 +146,9 @@ $(TEST_OBJS): CPPFLAGS += -DBOOST_TEST_DYN_LINK
 
 # Every suite runs in one Boost.Test runner, which ends with its summary. The tool and
 # file-format suites run the built binaries and $(PYTHON).
-test: deps all $(TEST_BIN)
+# deps runs first even under -j: the build starts from the recipe, after it.
+test: deps
+	@$(MAKE) --no-print-directory all $(TEST_BIN)
 	LGRECO_BIN_DIR=$(CURDIR)/$(BUILD)/bin LGRECO_LIB=$(CURDIR)/$(LIB) LGRECO_PYTHON=$(PYTHON) \
 	LGRECO_NCCL_LIB=$(NCCL_HOME)/lib64/libnccl.so LGRECO_SOURCE_DIR=$(CURDIR) \
 	  $(TEST_BIN) --report_level=short --log_level=warning
@@ -154,7 +156,8 @@ test: deps all $(TEST_BIN)
 bench: $(BUILD)/bin/lgreco-codec-bench
 	$(BUILD)/bin/lgreco-codec-bench
 
-demo: deps all
+demo: deps
+	@$(MAKE) --no-print-directory all
 	$(BUILD)/bin/lgreco-quant-demo
 
 install: all

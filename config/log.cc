@@ -47,7 +47,8 @@ int detail::init_level() {
   Level level = Level::kWarn;
   const bool bad = env && *env && !parse_level(env, &level);
   g_level.store(static_cast<int>(level), std::memory_order_relaxed);
-  if (bad) emit(Level::kWarn, "CONFIG", "LGRECO_DEBUG=%s is not a level (NONE, WARN, VERSION, INFO, TRACE); using WARN", env);
+  if (bad)
+    emit(Level::kWarn, "CONFIG", "LGRECO_DEBUG=%s is not a level (NONE, WARN, VERSION, INFO, TRACE); using WARN", env);
   return static_cast<int>(level);
 }
 

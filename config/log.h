@@ -40,8 +40,8 @@ void reset_for_testing();
 
 }  // namespace lgreco::log
 
-#define LGRECO_LOG(level, subsystem, ...)                                 \
-  do {                                                                    \
+#define LGRECO_LOG(level, subsystem, ...)                                                  \
+  do {                                                                                     \
     if (::lgreco::log::enabled(level)) ::lgreco::log::emit(level, subsystem, __VA_ARGS__); \
   } while (0)
 #define LGRECO_VERSION_LOG(subsystem, ...) LGRECO_LOG(::lgreco::log::Level::kVersion, subsystem, __VA_ARGS__)

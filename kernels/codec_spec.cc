@@ -66,16 +66,19 @@ QuantParams parse_quant(std::string_view spec, const std::vector<KeyValue>& opti
                        std::to_string(QuantParams::kMinBits) + ".." + std::to_string(QuantParams::kMaxBits));
       p.bits = static_cast<int>(number);
     } else if (kv.key == "bucket") {
-      if (!parse_unsigned(kv.value, &number) || number < QuantParams::kMinBucket ||
-          number > QuantParams::kMaxBucket || number % QuantParams::kBucketMultiple != 0)
+      if (!parse_unsigned(kv.value, &number) || number < QuantParams::kMinBucket || number > QuantParams::kMaxBucket ||
+          number % QuantParams::kBucketMultiple != 0)
         fail(spec, "bucket=" + std::string(kv.value) + " is invalid; expected a multiple of " +
-                       std::to_string(QuantParams::kBucketMultiple) + " in " +
-                       std::to_string(QuantParams::kMinBucket) + ".." + std::to_string(QuantParams::kMaxBucket));
+                       std::to_string(QuantParams::kBucketMultiple) + " in " + std::to_string(QuantParams::kMinBucket) +
+                       ".." + std::to_string(QuantParams::kMaxBucket));
       p.bucket = static_cast<uint32_t>(number);
     } else if (kv.key == "rounding") {
-      if (kv.value == "stochastic") p.rounding = Rounding::kStochastic;
-      else if (kv.value == "nearest") p.rounding = Rounding::kNearest;
-      else fail(spec, "rounding=" + std::string(kv.value) + " is unknown; expected stochastic or nearest");
+      if (kv.value == "stochastic")
+        p.rounding = Rounding::kStochastic;
+      else if (kv.value == "nearest")
+        p.rounding = Rounding::kNearest;
+      else
+        fail(spec, "rounding=" + std::string(kv.value) + " is unknown; expected stochastic or nearest");
     } else {
       fail(spec, "unknown option " + quoted(kv.key) + " for quant; expected bits, bucket or rounding");
     }

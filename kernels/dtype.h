@@ -49,9 +49,9 @@ LGRECO_HD uint16_t float_to_half_rn(float f) {
   const uint32_t u = float_bits(f);
   const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
   const uint32_t a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) return 0x7fffu;                // NaN: canonical, as CUDA
-  if (a >= 0x477ff000u) return sign | 0x7c00u;        // >= 65520 rounds to infinity
-  if (a >= 0x38800000u) {                             // normal half (>= 2^-14)
+  if (a > 0x7f800000u) return 0x7fffu;                        // NaN: canonical, as CUDA
+  if (a >= 0x477ff000u) return sign | 0x7c00u;                // >= 65520 rounds to infinity
+  if (a >= 0x38800000u) {                                     // normal half (>= 2^-14)
     const uint32_t rounded = a + 0x0fffu + ((a >> 13) & 1u);  // nearest, ties to even
     return static_cast<uint16_t>(sign | ((rounded - (112u << 23)) >> 13));
   }

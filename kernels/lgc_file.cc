@@ -87,7 +87,8 @@ LgcFile parse_lgc(std::span<const uint8_t> in, const std::string& source) {
   if (in.size() < header_bytes)
     throw fail("truncated header: " + std::to_string(in.size()) + " of " + std::to_string(header_bytes) + " bytes");
   const uint32_t header_crc = get<uint32_t>(in, header_bytes - 4);
-  if (crc32c(in.subspan(0, header_bytes - 4)) != header_crc) throw fail("header checksum mismatch: the file is corrupt");
+  if (crc32c(in.subspan(0, header_bytes - 4)) != header_crc)
+    throw fail("header checksum mismatch: the file is corrupt");
 
   LgcFile file;
   LgcHeader& h = file.header;
@@ -118,7 +119,8 @@ LgcFile parse_lgc(std::span<const uint8_t> in, const std::string& source) {
   if (available > payload_bytes)
     throw fail(std::to_string(available - payload_bytes) + " unexpected bytes after the payload");
   const auto payload = in.subspan(header_bytes, payload_bytes);
-  if (crc32c(payload) != get<uint32_t>(in, header_bytes - 8)) throw fail("payload checksum mismatch: the file is corrupt");
+  if (crc32c(payload) != get<uint32_t>(in, header_bytes - 8))
+    throw fail("payload checksum mismatch: the file is corrupt");
   file.payload.assign(payload.begin(), payload.end());
   return file;
 }

@@ -18,7 +18,7 @@ namespace lgreco {
 struct NoiseKey {
   uint64_t seed = 0;
   uint32_t rank = 0;
-  uint64_t step = 0;   // only the low 32 bits take part
+  uint64_t step = 0;  // only the low 32 bits take part
   uint32_t layer = 0;
 };
 
@@ -26,8 +26,8 @@ struct NoiseKey {
 constexpr uint64_t kMaxLayerElements = uint64_t{1} << 34;
 
 LGRECO_HD PhiloxBlock noise_block(const NoiseKey& key, uint64_t block_index) {
-  return philox4x32_10(static_cast<uint32_t>(block_index), key.layer, static_cast<uint32_t>(key.step),
-                       key.rank, static_cast<uint32_t>(key.seed), static_cast<uint32_t>(key.seed >> 32));
+  return philox4x32_10(static_cast<uint32_t>(block_index), key.layer, static_cast<uint32_t>(key.step), key.rank,
+                       static_cast<uint32_t>(key.seed), static_cast<uint32_t>(key.seed >> 32));
 }
 
 // A uniform value in [0, 1) with 24 random bits; exact in float32.

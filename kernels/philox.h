@@ -27,8 +27,7 @@ constexpr int kRounds = 10;
 }  // namespace philox_detail
 
 // One Philox-4x32-10 block: four independent uniform 32-bit words.
-LGRECO_HD PhiloxBlock philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0,
-                                    uint32_t k1) {
+LGRECO_HD PhiloxBlock philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1) {
   using namespace philox_detail;
   for (int round = 0; round < kRounds; ++round) {
     const uint64_t p0 = static_cast<uint64_t>(kMul0) * c0;

@@ -22,9 +22,12 @@ constexpr uint32_t kGroup = kGroupElements;
 
 template <DType T>
 LGRECO_CLONE_INLINE float load(const void* data, uint64_t i) {
-  if constexpr (T == DType::kFloat32) return static_cast<const float*>(data)[i];
-  else if constexpr (T == DType::kFloat16) return half_to_float(static_cast<const uint16_t*>(data)[i]);
-  else return bf16_to_float(static_cast<const uint16_t*>(data)[i]);
+  if constexpr (T == DType::kFloat32)
+    return static_cast<const float*>(data)[i];
+  else if constexpr (T == DType::kFloat16)
+    return half_to_float(static_cast<const uint16_t*>(data)[i]);
+  else
+    return bf16_to_float(static_cast<const uint16_t*>(data)[i]);
 }
 
 // The value that is compressed: the input, plus the error-feedback residual if any.
@@ -137,8 +140,8 @@ void check_payload(const QuantParams& p, uint64_t bytes, uint64_t count, const c
   const uint64_t need = encoded_bytes(p, count);
   if (bytes < need)
     throw CodecError(std::string(what) + ": buffer of " + std::to_string(bytes) + " bytes is too small for " +
-                     std::to_string(count) + " values with bits=" + std::to_string(p.bits) + ", bucket=" +
-                     std::to_string(p.bucket) + " (needs " + std::to_string(need) + ")");
+                     std::to_string(count) + " values with bits=" + std::to_string(p.bits) +
+                     ", bucket=" + std::to_string(p.bucket) + " (needs " + std::to_string(need) + ")");
 }
 
 // ---------------------------------------------------------------------------------------
@@ -147,8 +150,8 @@ void check_payload(const QuantParams& p, uint64_t bytes, uint64_t count, const c
 // Codes of one group of `lanes` (<= 32) elements starting at element `first`; padding
 // lanes get code 0. With a residual, error feedback for each element.
 template <DType T, bool kResidual, bool kRanged>
-LGRECO_CLONE_INLINE void quantize_group(const void* x, float* residual, uint64_t first, uint32_t lanes, const BucketMeta& meta,
-                           uint32_t top, const float* threshold, uint8_t* codes) {
+LGRECO_CLONE_INLINE void quantize_group(const void* x, float* residual, uint64_t first, uint32_t lanes,
+                                        const BucketMeta& meta, uint32_t top, const float* threshold, uint8_t* codes) {
   const auto element = [&](uint32_t l) {
     const float v = corrected<T, kResidual>(x, residual, first + l);
     const uint32_t code = kRanged ? quantize_ranged(v, meta, top, threshold[l]) : 0u;
@@ -165,7 +168,7 @@ LGRECO_CLONE_INLINE void quantize_group(const void* x, float* residual, uint64_t
 
 template <DType T, bool kResidual>
 LGRECO_CLONE_INLINE uint64_t encode_loop(const QuantParams& p, const NoiseKey& noise, const Slice& in, float* residual,
-                            uint8_t* out) {
+                                         uint8_t* out) {
   const uint64_t count = in.count;
   const uint32_t top = max_code(p.bits);
   const bool stochastic = p.rounding == Rounding::kStochastic;
@@ -194,9 +197,11 @@ LGRECO_CLONE_INLINE uint64_t encode_loop(const QuantParams& p, const NoiseKey& n
     for (uint64_t g = 0; g < groups; ++g) {
       const uint64_t first = begin + g * kGroup;
       const uint32_t lanes = static_cast<uint32_t>(std::min<uint64_t>(kGroup, count - first));
-      if (stochastic) group_thresholds(noise, in.first_element + first, threshold);
-      if (ranged) quantize_group<T, kResidual, true>(in.data, residual, first, lanes, meta, top, threshold, codes);
-      else quantize_group<T, kResidual, false>(in.data, residual, first, lanes, meta, top, threshold, codes);
+      if (stochastic && ranged) group_thresholds(noise, in.first_element + first, threshold);
+      if (ranged)
+        quantize_group<T, kResidual, true>(in.data, residual, first, lanes, meta, top, threshold, codes);
+      else
+        quantize_group<T, kResidual, false>(in.data, residual, first, lanes, meta, top, threshold, codes);
       uint32_t planes[QuantParams::kMaxBits];
       pack_planes(codes, p.bits, planes);
       memcpy(words + 4 * p.bits * g, planes, 4 * p.bits);  // little-endian host
@@ -206,8 +211,8 @@ LGRECO_CLONE_INLINE uint64_t encode_loop(const QuantParams& p, const NoiseKey& n
 }
 
 template <DType T>
-LGRECO_MULTIVERSION uint64_t encode_typed(const QuantParams& p, const NoiseKey& noise, const Slice& in,
-                                          float* residual, uint8_t* out) {
+LGRECO_MULTIVERSION uint64_t encode_typed(const QuantParams& p, const NoiseKey& noise, const Slice& in, float* residual,
+                                          uint8_t* out) {
   return residual ? encode_loop<T, true>(p, noise, in, residual, out)
                   : encode_loop<T, false>(p, noise, in, residual, out);
 }
@@ -278,7 +283,8 @@ LGRECO_MULTIVERSION void decode_accumulate_f32(const QuantParams& p, const uint8
 // Error statistics
 
 // Squared error of one candidate over one bucket whose corrected values are v[0..n).
-LGRECO_CLONE_INLINE float bucket_squared_error(const float* v, uint64_t n, const BucketMeta& meta, const QuantParams& c) {
+LGRECO_CLONE_INLINE float bucket_squared_error(const float* v, uint64_t n, const BucketMeta& meta,
+                                               const QuantParams& c) {
   float acc[kLanes] = {};
   const uint32_t top = max_code(c.bits);
   if (meta.unit == 0.0f) {  // constant bucket (or a range below float32's resolution): code 0
@@ -322,9 +328,9 @@ LGRECO_CLONE_INLINE float bucket_squared_error(const float* v, uint64_t n, const
 
 // One sweep over the input for all candidates sharing bucket size `bucket`.
 template <DType T, bool kResidual>
-LGRECO_CLONE_INLINE uint64_t stats_sweep(uint32_t bucket, std::span<const QuantParams> candidates, std::span<const size_t> members,
-                            const Slice& in, const float* residual, std::vector<float>& values,
-                            std::span<double> squared_error) {
+LGRECO_CLONE_INLINE uint64_t stats_sweep(uint32_t bucket, std::span<const QuantParams> candidates,
+                                         std::span<const size_t> members, const Slice& in, const float* residual,
+                                         std::vector<float>& values, std::span<double> squared_error) {
   uint64_t nonfinite = 0;
   for (uint64_t begin = 0; begin < in.count; begin += bucket) {
     const uint64_t n = std::min<uint64_t>(bucket, in.count - begin);
@@ -359,17 +365,25 @@ EncodeReport encode(const QuantParams& p, const NoiseKey& noise, DType dtype, co
   check_payload(p, out.size(), in.count, "quant encode");
   EncodeReport report;
   switch (dtype) {
-    case DType::kFloat32: report.nonfinite_buckets = encode_typed<DType::kFloat32>(p, noise, in, residual, out.data()); break;
-    case DType::kFloat16: report.nonfinite_buckets = encode_typed<DType::kFloat16>(p, noise, in, residual, out.data()); break;
-    case DType::kBFloat16: report.nonfinite_buckets = encode_typed<DType::kBFloat16>(p, noise, in, residual, out.data()); break;
+    case DType::kFloat32:
+      report.nonfinite_buckets = encode_typed<DType::kFloat32>(p, noise, in, residual, out.data());
+      break;
+    case DType::kFloat16:
+      report.nonfinite_buckets = encode_typed<DType::kFloat16>(p, noise, in, residual, out.data());
+      break;
+    case DType::kBFloat16:
+      report.nonfinite_buckets = encode_typed<DType::kBFloat16>(p, noise, in, residual, out.data());
+      break;
   }
   return report;
 }
 
 void decode(const QuantParams& p, std::span<const uint8_t> in, uint64_t count, DType out_dtype, void* out) {
   check_payload(p, in.size(), count, "quant decode");
-  if (out_dtype == DType::kFloat32) decode_f32(p, in.data(), count, static_cast<float*>(out));
-  else decode_narrow(p, in.data(), count, out_dtype, out);
+  if (out_dtype == DType::kFloat32)
+    decode_f32(p, in.data(), count, static_cast<float*>(out));
+  else
+    decode_narrow(p, in.data(), count, out_dtype, out);
 }
 
 void decode_accumulate(const QuantParams& p, std::span<const uint8_t> in, uint64_t count, float* acc) {
@@ -377,8 +391,8 @@ void decode_accumulate(const QuantParams& p, std::span<const uint8_t> in, uint64
   decode_accumulate_f32(p, in.data(), count, acc);
 }
 
-ErrorStats squared_errors(std::span<const QuantParams> candidates, DType dtype, const Slice& in,
-                          const float* residual, std::span<double> squared_error) {
+ErrorStats squared_errors(std::span<const QuantParams> candidates, DType dtype, const Slice& in, const float* residual,
+                          std::span<double> squared_error) {
   if (squared_error.size() != candidates.size())
     throw CodecError("quant squared_errors: " + std::to_string(squared_error.size()) + " outputs for " +
                      std::to_string(candidates.size()) + " candidates");
@@ -401,9 +415,15 @@ ErrorStats squared_errors(std::span<const QuantParams> candidates, DType dtype, 
     values.resize(bucket);
     uint64_t nonfinite = 0;
     switch (dtype) {
-      case DType::kFloat32: nonfinite = stats_typed<DType::kFloat32>(bucket, candidates, members, in, residual, values, squared_error); break;
-      case DType::kFloat16: nonfinite = stats_typed<DType::kFloat16>(bucket, candidates, members, in, residual, values, squared_error); break;
-      case DType::kBFloat16: nonfinite = stats_typed<DType::kBFloat16>(bucket, candidates, members, in, residual, values, squared_error); break;
+      case DType::kFloat32:
+        nonfinite = stats_typed<DType::kFloat32>(bucket, candidates, members, in, residual, values, squared_error);
+        break;
+      case DType::kFloat16:
+        nonfinite = stats_typed<DType::kFloat16>(bucket, candidates, members, in, residual, values, squared_error);
+        break;
+      case DType::kBFloat16:
+        nonfinite = stats_typed<DType::kBFloat16>(bucket, candidates, members, in, residual, values, squared_error);
+        break;
     }
     stats.nonfinite_buckets = std::max(stats.nonfinite_buckets, nonfinite);
   }

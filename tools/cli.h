@@ -4,9 +4,11 @@
 #pragma once
 
 #include <cerrno>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <new>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -18,6 +20,30 @@ namespace lgreco::cli {
 class UsageError : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
+};
+
+// Walks argv: `while (args.next())` visits each argument; value() takes the one after an
+// option that needs a value, or reports that it is missing.
+class Args {
+ public:
+  Args(int argc, char** argv, int first) : argc_(argc), argv_(argv), next_(first) {}
+  bool next() {
+    if (next_ >= argc_) return false;
+    current_ = argv_[next_++];
+    return true;
+  }
+  const std::string& arg() const { return current_; }
+  bool is_help() const { return current_ == "--help" || current_ == "-h"; }
+  std::string value() {
+    if (next_ >= argc_) throw UsageError(current_ + " needs a value");
+    return argv_[next_++];
+  }
+
+ private:
+  int argc_;
+  char** argv_;
+  int next_;
+  std::string current_;
 };
 
 // Decimal or 0x-hex unsigned integer, the whole string, no sign, no overflow.
@@ -72,6 +98,29 @@ inline std::vector<float> read_f32(const std::string& path) {
   std::vector<float> values(bytes.size() / 4);
   if (!bytes.empty()) memcpy(values.data(), bytes.data(), bytes.size());
   return values;
+}
+
+// Monotonic wall-clock seconds, for timing.
+inline double seconds_now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// Runs a tool's body and turns exceptions into the exit convention: a UsageError prints
+// a hint to --help and exits 2, anything else prints "error: ..." and exits 1.
+template <typename Body>
+int guarded_main(const char* program, Body&& body) {
+  try {
+    return body();
+  } catch (const UsageError& e) {
+    fprintf(stderr, "%s: %s\nTry '%s --help'.\n", program, e.what(), program);
+    return 2;
+  } catch (const std::bad_alloc&) {
+    fprintf(stderr, "%s: error: out of memory\n", program);
+    return 1;
+  } catch (const std::exception& e) {
+    fprintf(stderr, "%s: error: %s\n", program, e.what());
+    return 1;
+  }
 }
 
 }  // namespace lgreco::cli

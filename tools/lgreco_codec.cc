@@ -47,19 +47,23 @@ struct Options {
 
 Options parse_options(int argc, char** argv, int first, bool allow_noise_key) {
   Options o;
-  for (int i = first; i < argc; ++i) {
-    const std::string arg = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) throw cli::UsageError(arg + " needs a value");
-      return argv[++i];
-    };
-    if (arg == "--codec") o.specs.push_back(value());
-    else if (arg == "--seed") o.noise.seed = cli::parse_u64(arg, value());
-    else if (allow_noise_key && arg == "--rank") o.noise.rank = cli::parse_u32(arg, value());
-    else if (allow_noise_key && arg == "--step") o.noise.step = cli::parse_u64(arg, value());
-    else if (allow_noise_key && arg == "--layer") o.noise.layer = cli::parse_u32(arg, value());
-    else if (arg.size() > 1 && arg[0] == '-') throw cli::UsageError("unknown option " + arg);
-    else o.positional.push_back(arg);
+  for (cli::Args args(argc, argv, first); args.next();) {
+    const std::string& arg = args.arg();
+    const auto value = [&] { return args.value(); };
+    if (arg == "--codec")
+      o.specs.push_back(value());
+    else if (arg == "--seed")
+      o.noise.seed = cli::parse_u64(arg, value());
+    else if (allow_noise_key && arg == "--rank")
+      o.noise.rank = cli::parse_u32(arg, value());
+    else if (allow_noise_key && arg == "--step")
+      o.noise.step = cli::parse_u64(arg, value());
+    else if (allow_noise_key && arg == "--layer")
+      o.noise.layer = cli::parse_u32(arg, value());
+    else if (arg.size() > 1 && arg[0] == '-')
+      throw cli::UsageError("unknown option " + arg);
+    else
+      o.positional.push_back(arg);
   }
   return o;
 }
@@ -170,16 +174,5 @@ int run(int argc, char** argv) {
 }  // namespace lgreco
 
 int main(int argc, char** argv) {
-  try {
-    return lgreco::run(argc, argv);
-  } catch (const lgreco::cli::UsageError& e) {
-    fprintf(stderr, "lgreco-codec: %s\nTry 'lgreco-codec --help'.\n", e.what());
-    return 2;
-  } catch (const std::bad_alloc&) {
-    fprintf(stderr, "lgreco-codec: error: out of memory\n");
-    return 1;
-  } catch (const std::exception& e) {
-    fprintf(stderr, "lgreco-codec: error: %s\n", e.what());
-    return 1;
-  }
+  return lgreco::cli::guarded_main("lgreco-codec", [&] { return lgreco::run(argc, argv); });
 }

@@ -38,18 +38,14 @@ float32 input over R repetitions, and the targets of the foundation issue.
   --bucket N  bucket size (default 1024)
 )";
 
-double seconds_now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
 // Median wall time of `reps` calls of fn (after one warm-up call).
 double median_seconds(int reps, const std::function<void()>& fn) {
   fn();
   std::vector<double> t;
   for (int r = 0; r < reps; ++r) {
-    const double start = seconds_now();
+    const double start = cli::seconds_now();
     fn();
-    t.push_back(seconds_now() - start);
+    t.push_back(cli::seconds_now() - start);
   }
   std::sort(t.begin(), t.end());
   return t[t.size() / 2];
@@ -75,13 +71,10 @@ int run(int argc, char** argv) {
   uint64_t count = uint64_t{1} << 24;
   int reps = 9;
   QuantParams p;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) throw cli::UsageError(arg + " needs a value");
-      return argv[++i];
-    };
-    if (arg == "--help" || arg == "-h") {
+  for (cli::Args args(argc, argv, 1); args.next();) {
+    const std::string& arg = args.arg();
+    const auto value = [&] { return args.value(); };
+    if (args.is_help()) {
       fputs(kUsage, stdout);
       return 0;
     } else if (arg == "--count") {
@@ -141,14 +134,12 @@ int run(int argc, char** argv) {
 
   row("memcpy (ceiling)", 32, 0, [&] { memcpy(copy.data(), x.data(), count * 4); });
   row("encode", p.bits, 0, [&] { quant::encode(p, noise, DType::kFloat32, slice, nullptr, encoded); });
-  row("encode + error feedback", p.bits, 0.5, [&] {
-    quant::encode(p, noise, DType::kFloat32, slice, residual.data(), encoded);
-  });
+  row("encode + error feedback", p.bits, 0.5,
+      [&] { quant::encode(p, noise, DType::kFloat32, slice, residual.data(), encoded); });
   QuantParams nearest = p;
   nearest.rounding = Rounding::kNearest;
-  row("encode nearest + feedback", p.bits, 0, [&] {
-    quant::encode(nearest, noise, DType::kFloat32, slice, residual.data(), encoded);
-  });
+  row("encode nearest + feedback", p.bits, 0,
+      [&] { quant::encode(nearest, noise, DType::kFloat32, slice, residual.data(), encoded); });
   row("encode float16 input", p.bits, 0, [&] {
     quant::encode(p, noise, DType::kFloat16, Slice{half.data(), count, 0}, nullptr, encoded);
   });
@@ -158,9 +149,8 @@ int run(int argc, char** argv) {
   quant::encode(p, noise, DType::kFloat32, slice, nullptr, encoded);
   row("decode", p.bits, 0, [&] { quant::decode(p, encoded, count, DType::kFloat32, y.data()); });
   row("decode-accumulate", p.bits, 1.0, [&] { quant::decode_accumulate(p, encoded, count, acc.data()); });
-  row("stats, 7 candidates (2..8)", 0, 0.15, [&] {
-    quant::squared_errors(candidates, DType::kFloat32, slice, residual.data(), errors);
-  });
+  row("stats, 7 candidates (2..8)", 0, 0.15,
+      [&] { quant::squared_errors(candidates, DType::kFloat32, slice, residual.data(), errors); });
   return 0;
 }
 
@@ -168,13 +158,5 @@ int run(int argc, char** argv) {
 }  // namespace lgreco
 
 int main(int argc, char** argv) {
-  try {
-    return lgreco::run(argc, argv);
-  } catch (const lgreco::cli::UsageError& e) {
-    fprintf(stderr, "lgreco-codec-bench: %s\nTry 'lgreco-codec-bench --help'.\n", e.what());
-    return 2;
-  } catch (const std::exception& e) {
-    fprintf(stderr, "lgreco-codec-bench: error: %s\n", e.what());
-    return 1;
-  }
+  return lgreco::cli::guarded_main("lgreco-codec-bench", [&] { return lgreco::run(argc, argv); });
 }

@@ -142,21 +142,14 @@ std::string thousands(uint64_t v) {
   return s;
 }
 
-double seconds_now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
 int run(int argc, char** argv) {
   std::string model = "resnet50";
   double scale = 1.0;
   uint64_t seed = 1;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) throw cli::UsageError(arg + " needs a value");
-      return argv[++i];
-    };
-    if (arg == "--help" || arg == "-h") {
+  for (cli::Args args(argc, argv, 1); args.next();) {
+    const std::string& arg = args.arg();
+    const auto value = [&] { return args.value(); };
+    if (args.is_help()) {
       fputs(kUsage, stdout);
       return 0;
     } else if (arg == "--model") {
@@ -174,9 +167,12 @@ int run(int argc, char** argv) {
   }
   std::vector<Tensor> tensors;
   uint64_t expected_params = 0;
-  if (model == "resnet50") tensors = resnet50(), expected_params = 25557032;
-  else if (model == "gpt2") tensors = gpt2(), expected_params = 124439808;
-  else throw cli::UsageError("unknown model '" + model + "' (resnet50 or gpt2)");
+  if (model == "resnet50")
+    tensors = resnet50(), expected_params = 25557032;
+  else if (model == "gpt2")
+    tensors = gpt2(), expected_params = 124439808;
+  else
+    throw cli::UsageError("unknown model '" + model + "' (resnet50 or gpt2)");
   uint64_t params = 0;
   for (const Tensor& t : tensors) params += t.numel();
   if (params != expected_params)
@@ -212,9 +208,9 @@ int run(int argc, char** argv) {
     ++compressed_tensors;
     compressed_values += n;
     const Slice slice{g.data(), n, 0};
-    double start = seconds_now();
+    double start = cli::seconds_now();
     const CandidateReport report = measure_candidates(specs, DType::kFloat32, slice, nullptr);
-    stats_seconds += seconds_now() - start;
+    stats_seconds += cli::seconds_now() - start;
     for (size_t c = 0; c < nspecs; ++c) {
       bytes[c] += report.candidates[c].bytes;
       sq_error[c] += report.candidates[c].squared_error;
@@ -225,9 +221,9 @@ int run(int argc, char** argv) {
     // One real encode + decode at 4 bits, to set the expectation beside a measurement.
     std::vector<uint8_t> enc(four->encoded_bytes(n));
     std::vector<float> y(n);
-    start = seconds_now();
+    start = cli::seconds_now();
     four->encode(NoiseKey{seed, 0, 0, static_cast<uint32_t>(l)}, slice, nullptr, enc);
-    encode_seconds += seconds_now() - start;
+    encode_seconds += cli::seconds_now() - start;
     four->decode(enc, n, DType::kFloat32, y.data());
     for (uint64_t i = 0; i < n; ++i) measured_sq += (double(g[i]) - y[i]) * (double(g[i]) - y[i]);
   }
@@ -269,8 +265,9 @@ int run(int argc, char** argv) {
                                               [](const auto& a, const auto& b) { return a.rel < b.rel; });
     printf("# Relative errors range over %.1fx between layers; absolute ones over %.0fx.\n", hi->rel / lo->rel,
            layer_errors.front().l2 / layer_errors.back().l2);
-    printf("# L-GreCo (the controller, next) spends bits where they cut the summed error most, keeping\n"
-           "# it at the uniform 4-bit level while sending fewer bytes.\n");
+    printf(
+        "# L-GreCo (the controller, next) spends bits where they cut the summed error most, keeping\n"
+        "# it at the uniform 4-bit level while sending fewer bytes.\n");
   }
   return 0;
 }
@@ -279,13 +276,5 @@ int run(int argc, char** argv) {
 }  // namespace lgreco
 
 int main(int argc, char** argv) {
-  try {
-    return lgreco::run(argc, argv);
-  } catch (const lgreco::cli::UsageError& e) {
-    fprintf(stderr, "lgreco-quant-demo: %s\nTry 'lgreco-quant-demo --help'.\n", e.what());
-    return 2;
-  } catch (const std::exception& e) {
-    fprintf(stderr, "lgreco-quant-demo: error: %s\n", e.what());
-    return 1;
-  }
+  return lgreco::cli::guarded_main("lgreco-quant-demo", [&] { return lgreco::run(argc, argv); });
 }

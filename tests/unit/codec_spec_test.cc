@@ -1,8 +1,7 @@
-#include <boost/test/unit_test.hpp>
-
-#include <string>
-
 #include "kernels/codec_spec.h"
+
+#include <boost/test/unit_test.hpp>
+#include <string>
 
 using namespace lgreco;
 

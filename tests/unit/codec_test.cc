@@ -1,12 +1,12 @@
 // The family-neutral Codec interface and measure_candidates().
-#include <boost/test/unit_test.hpp>
+#include "kernels/codec.h"
 
+#include <boost/test/unit_test.hpp>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <random>
 
-#include "kernels/codec.h"
 #include "kernels/quant.h"
 #include "test_util.h"
 
@@ -94,7 +94,8 @@ BOOST_AUTO_TEST_CASE(measure_candidates_matches_each_codec_alone) {
     BOOST_TEST(alone[0] > 0.0);
   }
   // More bits, less error: a sanity check on the candidate ladder.
-  for (size_t i = 1; i <= 6; ++i) BOOST_TEST(report.candidates[i + 1].squared_error < report.candidates[i].squared_error);
+  for (size_t i = 1; i <= 6; ++i)
+    BOOST_TEST(report.candidates[i + 1].squared_error < report.candidates[i].squared_error);
 }
 
 BOOST_AUTO_TEST_CASE(measure_candidates_flags_non_finite_input) {

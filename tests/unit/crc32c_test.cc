@@ -1,10 +1,10 @@
-#include <boost/test/unit_test.hpp>
+#include "kernels/crc32c.h"
 
+#include <boost/test/unit_test.hpp>
 #include <random>
 #include <string>
 #include <vector>
 
-#include "kernels/crc32c.h"
 #include "test_util.h"
 
 using namespace lgreco;

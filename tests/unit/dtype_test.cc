@@ -1,13 +1,13 @@
 // float16/bfloat16 conversions, checked exhaustively against properties computed in
 // float64: every narrowing is a nearest representable value, ties go to even, NaN is
 // canonical; every widening is exact.
-#include <boost/test/unit_test.hpp>
+#include "kernels/dtype.h"
 
+#include <boost/test/unit_test.hpp>
 #include <cmath>
 #include <limits>
 #include <random>
 
-#include "kernels/dtype.h"
 #include "test_util.h"
 
 using namespace lgreco;
@@ -18,9 +18,12 @@ namespace {
 double half_value(uint16_t h) {
   const int sign = h >> 15, e = (h >> 10) & 31, m = h & 1023;
   double v;
-  if (e == 31) v = m ? std::numeric_limits<double>::quiet_NaN() : std::numeric_limits<double>::infinity();
-  else if (e == 0) v = std::ldexp(m, -24);
-  else v = std::ldexp(1024 + m, e - 25);
+  if (e == 31)
+    v = m ? std::numeric_limits<double>::quiet_NaN() : std::numeric_limits<double>::infinity();
+  else if (e == 0)
+    v = std::ldexp(m, -24);
+  else
+    v = std::ldexp(1024 + m, e - 25);
   return sign ? -v : v;
 }
 
@@ -53,8 +56,10 @@ BOOST_AUTO_TEST_CASE(half_widening_is_exact_for_every_pattern) {
   for (uint32_t h = 0; h < 65536; ++h) {
     const double want = half_value(static_cast<uint16_t>(h));
     const float got = half_to_float(static_cast<uint16_t>(h));
-    if (std::isnan(want)) BOOST_TEST_REQUIRE(std::isnan(got));
-    else BOOST_TEST_REQUIRE(double(got) == want, "half 0x" << std::hex << h);
+    if (std::isnan(want))
+      BOOST_TEST_REQUIRE(std::isnan(got));
+    else
+      BOOST_TEST_REQUIRE(double(got) == want, "half 0x" << std::hex << h);
     if (want == 0) BOOST_TEST_REQUIRE(std::signbit(got) == bool(h >> 15));
   }
 }

@@ -1,13 +1,13 @@
 // The .lgc container: round trips, and every kind of damage is a clear CodecError.
-#include <boost/test/unit_test.hpp>
+#include "kernels/lgc_file.h"
 
+#include <boost/test/unit_test.hpp>
 #include <cstring>
 #include <random>
 #include <string>
 
 #include "kernels/codec.h"
 #include "kernels/crc32c.h"
-#include "kernels/lgc_file.h"
 #include "test_util.h"
 
 using namespace lgreco;

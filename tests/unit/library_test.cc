@@ -1,10 +1,9 @@
 // liblgreco.so as a process loads it: the one VERSION line, the NCCL it finds among the
 // loaded objects, the symbols it exports; and the NCCL locator in-process.
-#include <boost/test/unit_test.hpp>
-
 #include <dlfcn.h>
 #include <unistd.h>
 
+#include <boost/test/unit_test.hpp>
 #include <filesystem>
 #include <set>
 #include <sstream>
@@ -53,7 +52,8 @@ BOOST_AUTO_TEST_CASE(loading_logs_one_version_line_and_nothing_by_default) {
 }
 
 BOOST_AUTO_TEST_CASE(loading_after_nccl_names_its_version, *boost::unit_test::precondition(NcclPresent())) {
-  const auto r = test::run_command("LGRECO_DEBUG=INFO LD_PRELOAD='" + nccl_library() + " " + library_path() + "' /bin/true");
+  const auto r =
+      test::run_command("LGRECO_DEBUG=INFO LD_PRELOAD='" + nccl_library() + " " + library_path() + "' /bin/true");
   BOOST_TEST(r.exit_code == 0);
   const int code = nccl_header_version_code();
   BOOST_TEST(contains(r.output, "NCCL " + shim::nccl_version_name(code) + " at "), r.output);

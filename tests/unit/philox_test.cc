@@ -1,10 +1,10 @@
-#include <boost/test/unit_test.hpp>
+#include "kernels/philox.h"
 
+#include <boost/test/unit_test.hpp>
 #include <cmath>
 #include <vector>
 
 #include "kernels/noise.h"
-#include "kernels/philox.h"
 
 using namespace lgreco;
 

@@ -1,9 +1,10 @@
 // The quantization codec against float64 references and an independent scalar encoder
 // written from docs/FORMAT.md. Inputs are drawn fresh each run (seed printed on failure),
 // outputs are poisoned before every call that should fill them.
-#include <boost/test/unit_test.hpp>
+#include "kernels/quant.h"
 
 #include <algorithm>
+#include <boost/test/unit_test.hpp>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -11,7 +12,6 @@
 #include <vector>
 
 #include "kernels/crc32c.h"
-#include "kernels/quant.h"
 #include "test_util.h"
 
 using namespace lgreco;
@@ -22,13 +22,16 @@ namespace {
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
-QuantParams params(int bits, uint32_t bucket, Rounding r = Rounding::kStochastic) { return QuantParams{bits, bucket, r}; }
+QuantParams params(int bits, uint32_t bucket, Rounding r = Rounding::kStochastic) {
+  return QuantParams{bits, bucket, r};
+}
 
 std::vector<uint8_t> encode(const QuantParams& p, const NoiseKey& key, const std::vector<float>& x,
                             float* residual = nullptr, uint64_t first = 0, EncodeReport* report = nullptr) {
   std::vector<uint8_t> out(lgreco::quant::encoded_bytes(p, x.size()));
   test::poison(out);
-  const EncodeReport r = lgreco::quant::encode(p, key, DType::kFloat32, Slice{x.data(), x.size(), first}, residual, out);
+  const EncodeReport r =
+      lgreco::quant::encode(p, key, DType::kFloat32, Slice{x.data(), x.size(), first}, residual, out);
   if (report) *report = r;
   return out;
 }
@@ -116,7 +119,8 @@ BOOST_AUTO_TEST_CASE(encoded_size_is_a_function_of_params_and_count) {
         // Encoding writes exactly that many bytes: a poisoned tail stays untouched.
         const std::vector<float> x = test::draw(Dist::kNormal, n, rng);
         std::vector<uint8_t> out(want + 64, 0xA5);
-        lgreco::quant::encode(p, NoiseKey{}, DType::kFloat32, Slice{x.data(), n, 0}, nullptr, std::span(out).first(want));
+        lgreco::quant::encode(p, NoiseKey{}, DType::kFloat32, Slice{x.data(), n, 0}, nullptr,
+                              std::span(out).first(want));
         for (uint64_t i = want; i < want + 64; ++i) BOOST_TEST_REQUIRE(out[i] == 0xA5);
       }
   BOOST_TEST(lgreco::quant::encoded_bytes(params(4, 1024), 1 << 20) * 8.0 / (1 << 20) == 4.0625);
@@ -170,8 +174,8 @@ BOOST_AUTO_TEST_CASE(decoded_values_lie_within_one_unit) {
               const double unit = (hi - lo) / ((1 << bits) - 1);
               BOOST_TEST_REQUIRE(std::fabs(m.unit - unit) <= 1e-6 * unit);
               // One unit (half for nearest), plus float32 rounding of position and value.
-              const double allowed = (r == Rounding::kNearest ? 0.5 : 1.0) * unit * (1 + 1e-5) +
-                                     0x1p-22 * (std::fabs(lo) + std::fabs(hi));
+              const double allowed =
+                  (r == Rounding::kNearest ? 0.5 : 1.0) * unit * (1 + 1e-5) + 0x1p-22 * (std::fabs(lo) + std::fabs(hi));
               for (uint64_t i = begin; i < end; ++i) BOOST_TEST_REQUIRE(std::fabs(double(y[i]) - x[i]) <= allowed);
             }
           }
@@ -277,20 +281,23 @@ BOOST_AUTO_TEST_CASE(statistics_agree_with_encode_and_decode) {
     std::vector<float> v(n);
     for (uint64_t i = 0; i < n; ++i) v[i] = x[i] + residual[i];
     std::vector<double> stats(cands.size(), -1.0);
-    const auto report = lgreco::quant::squared_errors(cands, DType::kFloat32, Slice{x.data(), n, 0}, residual.data(), stats);
+    const auto report =
+        lgreco::quant::squared_errors(cands, DType::kFloat32, Slice{x.data(), n, 0}, residual.data(), stats);
     BOOST_TEST(report.nonfinite_buckets == 0u);
     for (size_t c = 0; c < cands.size(); ++c) {
       const QuantParams& p = cands[c];
-      BOOST_TEST_INFO_SCOPE(test::dist_name(d) << " bits=" << p.bits << " bucket=" << p.bucket << " "
-                                               << rounding_name(p.rounding));
+      BOOST_TEST_INFO_SCOPE(test::dist_name(d)
+                            << " bits=" << p.bits << " bucket=" << p.bucket << " " << rounding_name(p.rounding));
       const int seeds = p.rounding == Rounding::kNearest ? 1 : 200;
       double mean = 0;
       for (int s = 0; s < seeds; ++s) {
         const auto y = decode(p, encode(p, NoiseKey{rng(), 0, 0, 0}, v), n);
         for (uint64_t i = 0; i < n; ++i) mean += (double(v[i]) - y[i]) * (double(v[i]) - y[i]) / seeds;
       }
-      if (p.rounding == Rounding::kNearest) BOOST_TEST(stats[c] == mean, boost::test_tools::tolerance(1e-4));
-      else BOOST_TEST(stats[c] == mean, boost::test_tools::tolerance(0.03));
+      if (p.rounding == Rounding::kNearest)
+        BOOST_TEST(stats[c] == mean, boost::test_tools::tolerance(1e-4));
+      else
+        BOOST_TEST(stats[c] == mean, boost::test_tools::tolerance(0.03));
     }
   }
 }
@@ -370,7 +377,8 @@ BOOST_AUTO_TEST_CASE(non_finite_buckets_decode_to_nan_and_keep_their_residual) {
   // Statistics report the non-finite buckets and an infinite error.
   std::vector<double> err(1);
   const std::vector<QuantParams> one = {p};
-  BOOST_TEST(lgreco::quant::squared_errors(one, DType::kFloat32, Slice{x.data(), n, 0}, nullptr, err).nonfinite_buckets == 4u);
+  BOOST_TEST(
+      lgreco::quant::squared_errors(one, DType::kFloat32, Slice{x.data(), n, 0}, nullptr, err).nonfinite_buckets == 4u);
   BOOST_TEST(std::isinf(err[0]));
 }
 
@@ -423,7 +431,8 @@ BOOST_AUTO_TEST_CASE(float16_and_bfloat16_inputs) {
     std::vector<float> r1 = test::draw(Dist::kNormal, n, rng), r2 = r1, r3 = r1, r4 = r1;
     std::vector<uint8_t> a(lgreco::quant::encoded_bytes(p, n)), b(a.size());
     lgreco::quant::encode(p, key, DType::kFloat16, Slice{half.data(), n, 0}, with_residual ? r1.data() : nullptr, a);
-    lgreco::quant::encode(p, key, DType::kFloat32, Slice{half_wide.data(), n, 0}, with_residual ? r2.data() : nullptr, b);
+    lgreco::quant::encode(p, key, DType::kFloat32, Slice{half_wide.data(), n, 0}, with_residual ? r2.data() : nullptr,
+                          b);
     BOOST_TEST((a == b));
     BOOST_TEST((r1 == r2));
     lgreco::quant::encode(p, key, DType::kBFloat16, Slice{bf.data(), n, 0}, with_residual ? r3.data() : nullptr, a);
@@ -466,16 +475,19 @@ BOOST_AUTO_TEST_CASE(bad_arguments_are_errors_not_crashes) {
   const QuantParams p = params(4, 1024);
   std::vector<float> x(2048, 1.0f);
   std::vector<uint8_t> small(lgreco::quant::encoded_bytes(p, 2048) - 1);
-  BOOST_CHECK_THROW(lgreco::quant::encode(p, NoiseKey{}, DType::kFloat32, Slice{x.data(), 2048, 0}, nullptr, small), CodecError);
+  BOOST_CHECK_THROW(lgreco::quant::encode(p, NoiseKey{}, DType::kFloat32, Slice{x.data(), 2048, 0}, nullptr, small),
+                    CodecError);
   BOOST_CHECK_THROW(lgreco::quant::decode(p, small, 2048, DType::kFloat32, x.data()), CodecError);
   BOOST_CHECK_THROW(lgreco::quant::decode_accumulate(p, small, 2048, x.data()), CodecError);
   std::vector<uint8_t> out(lgreco::quant::encoded_bytes(p, 2048));
-  BOOST_CHECK_THROW(lgreco::quant::encode(p, NoiseKey{}, DType::kFloat32, Slice{nullptr, 2048, 0}, nullptr, out), CodecError);
-  BOOST_CHECK_THROW(lgreco::quant::encode(p, NoiseKey{}, DType::kFloat32, Slice{x.data(), 2048, (1ull << 34) - 1024}, nullptr,
-                                  out),
+  BOOST_CHECK_THROW(lgreco::quant::encode(p, NoiseKey{}, DType::kFloat32, Slice{nullptr, 2048, 0}, nullptr, out),
                     CodecError);
-  BOOST_CHECK_THROW(lgreco::quant::encode(params(9, 1024), NoiseKey{}, DType::kFloat32, Slice{x.data(), 1, 0}, nullptr, out),
-                    CodecError);
+  BOOST_CHECK_THROW(
+      lgreco::quant::encode(p, NoiseKey{}, DType::kFloat32, Slice{x.data(), 2048, (1ull << 34) - 1024}, nullptr, out),
+      CodecError);
+  BOOST_CHECK_THROW(
+      lgreco::quant::encode(params(9, 1024), NoiseKey{}, DType::kFloat32, Slice{x.data(), 1, 0}, nullptr, out),
+      CodecError);
   try {
     lgreco::quant::encode(p, NoiseKey{}, DType::kFloat32, Slice{x.data(), 2048, 0}, nullptr, small);
   } catch (const CodecError& e) {

@@ -2,7 +2,6 @@
 // the independent Python decoder (written from docs/FORMAT.md alone) agreeing with it,
 // and smoke runs of the benchmark and the demo.
 #include <boost/test/unit_test.hpp>
-
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -21,7 +20,9 @@ std::string codec_tool() { return test::bin_dir() + "/lgreco-codec"; }
 
 bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
-void write_f32(const std::string& path, const std::vector<float>& x) { test::write_bytes(path, x.data(), 4 * x.size()); }
+void write_f32(const std::string& path, const std::vector<float>& x) {
+  test::write_bytes(path, x.data(), 4 * x.size());
+}
 
 std::vector<float> read_f32(const std::string& path) {
   const auto b = test::read_bytes(path);
@@ -48,8 +49,9 @@ BOOST_AUTO_TEST_CASE(encode_and_decode_through_files_match_the_library) {
   const uint64_t n = 5000;
   const std::vector<float> x = test::draw(Dist::kMixedScales, n, rng, 1024);
   write_f32(dir.file("in.f32"), x);
-  const auto enc = test::run_command(codec_tool() + " encode --codec quant:bits=3 --seed 99 --rank 2 --step 5 --layer 4 " +
-                                     dir.file("in.f32") + " " + dir.file("x.lgc"));
+  const auto enc =
+      test::run_command(codec_tool() + " encode --codec quant:bits=3 --seed 99 --rank 2 --step 5 --layer 4 " +
+                        dir.file("in.f32") + " " + dir.file("x.lgc"));
   BOOST_TEST_REQUIRE(enc.exit_code == 0, enc.output);
   const LgcFile f = parse_lgc(test::read_bytes(dir.file("x.lgc")), "x.lgc");
   BOOST_TEST(f.header.spec.str() == "quant:bits=3,bucket=1024,rounding=stochastic");
@@ -79,14 +81,15 @@ BOOST_AUTO_TEST_CASE(independent_python_decoder_agrees_bit_for_bit) {
   test::TempDir dir;
   const PythonDecoder py;
   int files = 0;
-  for (const char* spec : {"none", "quant:bits=1,bucket=32", "quant:bits=2,bucket=96,rounding=nearest",
-                           "quant:bits=3", "quant:bits=4", "quant:bits=5,bucket=64", "quant:bits=7", "quant:bits=8"})
+  for (const char* spec : {"none", "quant:bits=1,bucket=32", "quant:bits=2,bucket=96,rounding=nearest", "quant:bits=3",
+                           "quant:bits=4", "quant:bits=5,bucket=64", "quant:bits=7", "quant:bits=8"})
     for (uint64_t n : {0, 1, 33, 4097}) {
       std::vector<float> x = test::draw(Dist::kMixedScales, n, rng, 32);
       if (n > 100) x[70] = std::nanf("");  // a non-finite bucket
       write_f32(dir.file("in.f32"), x);
-      const auto enc = test::run_command(codec_tool() + " encode --codec " + spec + " --seed " +
-                                         std::to_string(rng() >> 1) + " " + dir.file("in.f32") + " " + dir.file("x.lgc"));
+      const auto enc =
+          test::run_command(codec_tool() + " encode --codec " + spec + " --seed " + std::to_string(rng() >> 1) + " " +
+                            dir.file("in.f32") + " " + dir.file("x.lgc"));
       BOOST_TEST_REQUIRE(enc.exit_code == 0, enc.output);
       const auto ours = test::run_command(codec_tool() + " decode " + dir.file("x.lgc") + " " + dir.file("ours.f32"));
       const auto theirs = test::run_command(py.command(dir.file("x.lgc"), dir.file("theirs.f32")));
@@ -144,8 +147,9 @@ BOOST_AUTO_TEST_CASE(bad_input_gives_a_clear_error_and_exit_status) {
   test::TempDir dir;
   const std::vector<float> x = test::draw(Dist::kNormal, 3000, rng);
   write_f32(dir.file("in.f32"), x);
-  BOOST_TEST_REQUIRE(test::run_command(codec_tool() + " encode --codec quant " + dir.file("in.f32") + " " +
-                                       dir.file("x.lgc")).exit_code == 0);
+  BOOST_TEST_REQUIRE(
+      test::run_command(codec_tool() + " encode --codec quant " + dir.file("in.f32") + " " + dir.file("x.lgc"))
+          .exit_code == 0);
   const auto file = test::read_bytes(dir.file("x.lgc"));
   test::write_bytes(dir.file("short.lgc"), file.data(), file.size() / 2);
   auto flipped = file;
