@@ -36,7 +36,7 @@ class NoneCodec final : public Codec {
         ++report.nonfinite_buckets;  // each value is its own "bucket"
         continue;
       }
-      if (residual) residual[i] = v - load_as_float(out.data(), dtype(), i);
+      if (residual) residual[i] = v - round_to_dtype(v, dtype());
     }
     return report;
   }
@@ -82,9 +82,7 @@ double none_squared_error(DType dtype, const Slice& in, const float* residual, u
       ++*nonfinite;
       continue;
     }
-    uint32_t narrow = 0;  // room for any element type
-    store_from_float(&narrow, dtype, 0, v);
-    const double d = dtype == DType::kFloat32 ? 0.0 : double(v) - double(load_as_float(&narrow, dtype, 0));
+    const double d = double(v) - double(round_to_dtype(v, dtype));
     sum += d * d;
   }
   return *nonfinite ? std::numeric_limits<double>::infinity() : sum;

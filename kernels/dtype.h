@@ -75,6 +75,15 @@ LGRECO_HD uint16_t float_to_bf16_rn(float f) {
   return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+// v rounded to type t (nearest even) and widened back: what storing it as t keeps.
+LGRECO_HD float round_to_dtype(float v, DType t) {
+  switch (t) {
+    case DType::kFloat16: return half_to_float(float_to_half_rn(v));
+    case DType::kBFloat16: return bf16_to_float(float_to_bf16_rn(v));
+    default: return v;
+  }
+}
+
 // Element i of a buffer of type t, widened to float32.
 LGRECO_HD float load_as_float(const void* data, DType t, size_t i) {
   switch (t) {

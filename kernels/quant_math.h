@@ -84,20 +84,19 @@ LGRECO_HD BucketMeta bucket_meta(float min_value, float max_value, bool all_fini
 // finite): all its elements decode to kDecodedNaNBits.
 LGRECO_HD bool is_finite_bucket(const BucketMeta& m) { return is_finite_value(m.min) && is_finite_value(m.unit); }
 
-// The code of value v in a bucket with unit > 0. `threshold` is the rounding noise: a
-// uniform value in [0, 1) for stochastic rounding (rounds up with probability equal to the
-// fractional position), 0.5 for round to nearest (ties round down).
+// Where v lies on the code scale of a bucket with unit > 0: in [0, top_code] up to rounding.
+LGRECO_HD float code_position(float v, const BucketMeta& m) { return f32_div(f32_sub(v, m.min), m.unit); }
+
+// The code of value v in a bucket with unit > 0 (a constant bucket, unit 0, has only code
+// 0). `threshold` is the rounding noise: a uniform value in [0, 1) for stochastic rounding
+// (rounds up with probability equal to the fractional position), 0.5 for round to nearest
+// (ties round down).
 LGRECO_HD uint32_t quantize_ranged(float v, const BucketMeta& m, uint32_t top_code, float threshold) {
-  const float position = f32_div(f32_sub(v, m.min), m.unit);  // in [0, top_code] up to rounding
+  const float position = code_position(v, m);
   const float whole = floorf(position);
   const float frac = f32_sub(position, whole);  // exact
   const uint32_t code = static_cast<uint32_t>(static_cast<int32_t>(whole)) + (frac > threshold ? 1u : 0u);
   return code < top_code ? code : top_code;
-}
-
-// The code of value v in any finite bucket: a constant bucket (unit 0) has only code 0.
-LGRECO_HD uint32_t quantize(float v, const BucketMeta& m, uint32_t top_code, float threshold) {
-  return m.unit > 0.0f ? quantize_ranged(v, m, top_code, threshold) : 0u;
 }
 
 LGRECO_HD float dequantize(uint32_t code, const BucketMeta& m) {

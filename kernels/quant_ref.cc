@@ -297,13 +297,13 @@ LGRECO_CLONE_INLINE float bucket_squared_error(const float* v, uint64_t n, const
     uint64_t i = 0;
     for (; i + kLanes <= n; i += kLanes) {
       for (int l = 0; l < kLanes; ++l) {
-        const float position = (v[i + l] - meta.min) / meta.unit;
+        const float position = code_position(v[i + l], meta);
         const float f = position - std::floor(position);
         acc[l] += f * (1.0f - f);
       }
     }
     for (; i < n; ++i) {
-      const float position = (v[i] - meta.min) / meta.unit;
+      const float position = code_position(v[i], meta);
       const float f = position - std::floor(position);
       acc[0] += f * (1.0f - f);
     }
