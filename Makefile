@@ -70,14 +70,15 @@ CORE_LIB  := $(BUILD)/lib/liblgreco_core.a
 TOOL_BINS := $(addprefix $(BUILD)/bin/,$(TOOLS))
 TEST_BIN  := $(BUILD)/bin/lgreco-unit-tests
 
-.PHONY: all deps test bench demo install clean help FORCE
+.PHONY: all deps test test-tsan bench demo install clean help FORCE
 all: $(LIB) $(PLUGIN) $(TOOL_BINS)
 
 help:
 	@echo "make            build $(LIB) (+ its NCCL plugin name) and build/bin/ tools"
 	@echo "make deps       install the Debian packages the build and tests need (root)"
-	@echo "make test       deps + build + every test suite"
-	@echo "make bench      CPU codec microbenchmarks (one core), as a table"
+	@echo "make test       deps + build + every test suite (including test-tsan)"
+	@echo "make test-tsan  the controller's thread tests under ThreadSanitizer"
+	@echo "make bench      CPU codec and solver benchmarks (one core), as tables"
 	@echo "make demo       deps + build + the quantization codec on a real model's layers"
 	@echo "make install    PREFIX=$(PREFIX): library, plugin name, tools, docs"
 	@echo "CUDA: $(if $(HAVE_CUDA),$(NVCC),not found (CPU-only build))"
@@ -141,6 +142,18 @@ $(TEST_BIN): $(TEST_OBJS) $(CORE_LIB)
 
 $(TEST_OBJS): CPPFLAGS += -DBOOST_TEST_DYN_LINK
 
+# The controller's thread and everything it touches, built again with ThreadSanitizer.
+# Only the suites that use no CUDA or codec code: small, and quick to instrument.
+TSAN_SRCS := tests/unit/main.cc tests/unit/controller_test.cc $(wildcard controller/*.cc) config/log.cc
+TSAN_OBJS := $(patsubst %,$(BUILD)/tsan/%.o,$(TSAN_SRCS))
+TSAN_BIN  := $(BUILD)/bin/lgreco-controller-tsan-tests
+$(BUILD)/tsan/%.cc.o: %.cc
+	@mkdir -p $(@D)
+	$(CXX) $(CPPFLAGS) -DBOOST_TEST_DYN_LINK $(CXXFLAGS) -O1 -fsanitize=thread -c $< -o $@
+$(TSAN_BIN): $(TSAN_OBJS)
+	@mkdir -p $(@D)
+	$(CXX) -fsanitize=thread -o $@ $(TSAN_OBJS) -lboost_unit_test_framework -pthread
+
 # ---------------------------------------------------------------------------------------
 # Run
 
@@ -152,9 +165,16 @@ test: deps
 	LGRECO_BIN_DIR=$(CURDIR)/$(BUILD)/bin LGRECO_LIB=$(CURDIR)/$(LIB) LGRECO_PYTHON=$(PYTHON) \
 	LGRECO_NCCL_LIB=$(NCCL_HOME)/lib64/libnccl.so LGRECO_SOURCE_DIR=$(CURDIR) \
 	  $(TEST_BIN) --report_level=short --log_level=warning
+	@$(MAKE) --no-print-directory test-tsan
 
-bench: $(BUILD)/bin/lgreco-codec-bench
+# halt_on_error: a race fails the run instead of scrolling past.
+test-tsan: $(TSAN_BIN)
+	TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" LGRECO_DEBUG=NONE \
+	  $(TSAN_BIN) --report_level=short --log_level=warning
+
+bench: $(BUILD)/bin/lgreco-codec-bench $(BUILD)/bin/lgreco-solve-bench
 	$(BUILD)/bin/lgreco-codec-bench
+	$(BUILD)/bin/lgreco-solve-bench
 
 demo: deps
 	@$(MAKE) --no-print-directory all
@@ -170,4 +190,4 @@ install: all
 clean:
 	rm -rf $(BUILD)
 
--include $(shell find $(BUILD)/obj -name '*.d' 2>/dev/null)
+-include $(shell find $(BUILD)/obj $(BUILD)/tsan -name '*.d' 2>/dev/null)

@@ -7,6 +7,7 @@ PACKAGES=(
   g++                 # C++20 compiler (g++ 12)
   make
   libboost-test-dev   # Boost.Test, the unit-test runner
+  nlohmann-json3-dev  # JSON for problem files and the decision log (header-only)
   python3             # /usr/bin/python3 for the file-format decoder test
 )
 

@@ -20,6 +20,7 @@
 #include "kernels/codec.h"
 #include "kernels/cpu_dispatch.h"
 #include "kernels/quant.h"
+#include "tools/bench_util.h"
 #include "tools/cli.h"
 
 namespace lgreco {
@@ -37,35 +38,6 @@ float32 input over R repetitions, and the targets of the foundation issue.
   --bits B    bit width of the single-candidate rows (default 4)
   --bucket N  bucket size (default 1024)
 )";
-
-// Median wall time of `reps` calls of fn (after one warm-up call).
-double median_seconds(int reps, const std::function<void()>& fn) {
-  fn();
-  std::vector<double> t;
-  for (int r = 0; r < reps; ++r) {
-    const double start = cli::seconds_now();
-    fn();
-    t.push_back(cli::seconds_now() - start);
-  }
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
-}
-
-std::string cpu_model() {
-  FILE* f = fopen("/proc/cpuinfo", "r");
-  if (!f) return "unknown";
-  char line[512];
-  std::string model = "unknown";
-  while (fgets(line, sizeof line, f)) {
-    if (!strncmp(line, "model name", 10)) {
-      const char* colon = strchr(line, ':');
-      if (colon) model = std::string(colon + 2, strcspn(colon + 2, "\n"));
-      break;
-    }
-  }
-  fclose(f);
-  return model;
-}
 
 int run(int argc, char** argv) {
   uint64_t count = uint64_t{1} << 24;
@@ -114,17 +86,14 @@ int run(int argc, char** argv) {
   const NoiseKey noise{42, 0, 1, 0};
   const Slice slice{x.data(), count, 0};
 
-  char date[64];
-  const time_t now = time(nullptr);
-  strftime(date, sizeof date, "%Y-%m-%d %H:%M UTC", gmtime(&now));
-  printf("# lgreco-codec-bench, lgreco %s, %s\n", version_string(), date);
-  printf("# cpu: %s; one thread; hot loops: %s\n", cpu_model().c_str(), cpu_code_path());
+  printf("# lgreco-codec-bench, lgreco %s, %s\n", version_string(), bench::utc_now().c_str());
+  printf("# cpu: %s; one thread; hot loops: %s\n", bench::cpu_model().c_str(), cpu_code_path());
   printf("# count %llu values (%.1f MiB float32), bucket %u, median of %d reps; GB/s = count*4 bytes / time\n",
          static_cast<unsigned long long>(count), count * 4.0 / (1 << 20), p.bucket, reps);
   printf("%-28s %5s %10s %9s %8s %s\n", "operation", "bits", "time_ms", "GB/s", "target", "");
 
   const auto row = [&](const char* name, int bits, double target, const std::function<void()>& fn) {
-    const double t = median_seconds(reps, fn);
+    const double t = bench::median_seconds(reps, fn);
     const double gbs = count * 4.0 / t / 1e9;
     char target_text[16] = "-";
     if (target > 0) snprintf(target_text, sizeof target_text, "%.2f", target);

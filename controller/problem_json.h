@@ -1,0 +1,36 @@
+// JSON in and out of the controller: the problem lgreco-solve reads, the answer it
+// prints, and the controller's decision-log lines. docs/CONTROLLER.md specifies the
+// fields; parsing is strict (unknown keys are errors) so that a typo is never ignored.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "controller/problem.h"
+#include "controller/solver.h"
+
+namespace lgreco::controller {
+
+// Parses a problem document and validates it. Throws ProblemError naming the field
+// ("layers[2] (fc1).candidates[0].bytes: -5; expected a non-negative integer"), or the
+// line and column when the text is not JSON.
+Problem parse_problem_json(std::string_view text);
+
+// The solution object lgreco-solve prints (one line).
+std::string solution_json(const Problem& problem, const Solution& solution, double solve_ms);
+
+// What one decision-log line records besides the solution.
+struct DecisionContext {
+  uint64_t epoch = 0;           // 1 for the first solved assignment
+  uint64_t stats_last_step = 0;  // last step of the measurement window
+  uint64_t effective_step = 0;   // first step that uses the assignment
+  uint64_t samples = 0;          // (step, rank) samples per layer behind the errors
+};
+
+// One line (no newline): the context, the solution summary and, per layer, the chosen
+// codec with its bytes and error.
+std::string decision_json(const DecisionContext& context, const Problem& problem, const Solution& solution,
+                          double solve_ms);
+
+}  // namespace lgreco::controller

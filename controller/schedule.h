@@ -1,0 +1,49 @@
+// When the controller measures, solves and switches, in steps of one communicator.
+//
+// Step 0 is the first step the engine sees (DDP's first iteration, before it rebuilds its
+// buckets). Measurement windows end at the boundaries B_k = warmup + k * period
+// (k = 0, 1, ...): window k is the `window` steps before B_k, and the assignment solved
+// from it takes effect at step (B_k - 1) + switch_lag on every rank. Before the first
+// switch every layer runs its default codec.
+//
+//   warmup=100 period=100 window=10 switch_lag=3:
+//   measure 90..99 -> solve -> switch at 102; measure 190..199 -> switch at 202; ...
+//
+// Rules that the constructor enforces:
+//   warmup >= 2        nothing layout-dependent before DDP's rebuilt buckets (step 1);
+//                      the first window never includes step 0 (it is clipped to 1..)
+//   1 <= window <= period, switch_lag >= 1
+//   window + switch_lag <= period + 1
+//                      an assignment is in effect before the next window measures, so
+//                      every window measures under one assignment
+#pragma once
+
+#include <cstdint>
+
+namespace lgreco::controller {
+
+struct ScheduleSettings {
+  uint64_t warmup = 100;
+  uint64_t period = 100;
+  uint64_t window = 10;
+  uint64_t switch_lag = 3;
+};
+
+class Schedule {
+ public:
+  // Throws std::invalid_argument naming the setting that breaks a rule above.
+  explicit Schedule(const ScheduleSettings& settings);
+
+  const ScheduleSettings& settings() const { return settings_; }
+  // Whether candidate errors are measured at this step.
+  bool measures(uint64_t step) const;
+  // Whether this step is the last of a window: after it, aggregate and submit.
+  bool window_ends(uint64_t step) const;
+  // The first step that uses the assignment solved from a window ending at this step.
+  uint64_t effective_step(uint64_t window_last_step) const { return window_last_step + settings_.switch_lag; }
+
+ private:
+  ScheduleSettings settings_;
+};
+
+}  // namespace lgreco::controller

@@ -1,0 +1,73 @@
+// The L-GreCo solver: a multiple-choice knapsack over layers (controller/problem.h).
+//
+// How it works (docs/CONTROLLER.md has the derivation):
+//  1. Per layer, the candidates on the lower convex hull of (error, cost). Walking all hull
+//     steps across layers in order of cost saved per unit of error spent solves the LP
+//     relaxation exactly: its value is a lower bound on the optimum, its break-point slope
+//     is the Lagrange multiplier lambda, and the integer part of the walk (continued
+//     greedily past the break) is a feasible incumbent.
+//  2. Lagrangian reduction: a candidate whose reduced cost s + lambda*e - min_c(s + lambda*e)
+//     exceeds (incumbent - lower bound) cannot be in any assignment cheaper than the
+//     incumbent. On real instances this fixes all but a few dozen "core" layers.
+//  3. A dynamic programme over the core layers with the cost axis discretised (bins of
+//     width Delta, each candidate's extra cost rounded up) and the errors kept exact:
+//     for each cost bin, the least total error. Its answer is feasible on the exact
+//     errors, and costs at most (core layers x Delta) more than the optimum; Delta is
+//     chosen so that this is at most SolverOptions::tolerance of the optimum. (The
+//     reference's DP discretises the error axis instead, which rounds every error up and
+//     leaves budget unused: 6.5% at 1,000 layers, docs/CONTROLLER.md.)
+//  4. The result is re-checked on the undiscretised errors, repaired if floating-point
+//     rounding made it infeasible, then improved greedily with any budget left.
+//
+// Deterministic: one thread, no unordered containers, total orders with index tie-breaks
+// and a fixed summation order (layer order) for every total, so every rank that solves
+// the same problem reaches the same answer bit for bit.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "controller/problem.h"
+
+namespace lgreco::controller {
+
+struct SolverOptions {
+  // The returned cost is within this fraction of the optimum (0.001: 0.1%), unless the
+  // refinement's table would exceed max_table_cells; Solution::lower_bound says what was
+  // proven either way.
+  double tolerance = 1e-3;
+  // Core layers x cost bins of the refinement's table (its memory is one byte per cell
+  // plus 16 bytes per bin).
+  uint64_t max_table_cells = uint64_t{1} << 22;
+};
+
+struct Solution {
+  std::vector<uint32_t> choices;  // candidate index per layer
+  // False when no assignment meets the budget (possible with alpha < 1): choices are then
+  // the minimum-error assignment.
+  bool feasible = true;
+  double cost = 0;  // objective value: bytes (as a double) or seconds
+  uint64_t bytes = 0;
+  double error = 0;   // sum of the chosen errors, in layer order
+  double budget = 0;  // alpha x default_error
+  double default_cost = 0;
+  uint64_t default_bytes = 0;
+  double default_error = 0;
+  // No feasible assignment costs less (up to floating-point rounding). Equal to cost when
+  // the optimum was proven; 0 when infeasible.
+  double lower_bound = 0;
+  uint32_t core_layers = 0;  // layers the refinement left open (0: not needed)
+  double bin_width = 0;      // the refinement's cost discretisation (0: not run)
+};
+
+// Throws ProblemError when the problem is invalid (validate()).
+Solution solve(const Problem& problem, const SolverOptions& options = {});
+
+// The objective cost of every candidate of every layer: its bytes, or its predicted
+// seconds under the problem's cost model.
+std::vector<std::vector<double>> candidate_costs(const Problem& problem);
+
+// (cost - lower_bound) / lower_bound; 0 when both are 0.
+double relative_gap(const Solution& solution);
+
+}  // namespace lgreco::controller

@@ -1,0 +1,314 @@
+// The controller's thread, schedule and hand-over, over simulated training steps on
+// several ranks. Also built alone under ThreadSanitizer (make test-tsan), so it uses
+// nothing but controller/ and config/.
+#include <dirent.h>
+
+#include <boost/test/unit_test.hpp>
+#include <chrono>
+#include <fstream>
+#include <future>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "controller/controller.h"
+#include "tests/unit/test_util.h"
+#include "tools/solver_instances.h"
+
+namespace lgreco {
+namespace {
+
+using controller::Assignment;
+using controller::Controller;
+using controller::ControllerSettings;
+using controller::ErrorStats;
+using controller::Layer;
+using controller::Problem;
+using namespace std::chrono_literals;
+
+// Layers with candidates quant bits 2..8 (default 4) and a last one that stays as is.
+std::vector<Layer> make_layers(size_t count) {
+  std::vector<Layer> layers;
+  for (size_t l = 0; l < count; ++l) {
+    Layer layer{"layer" + std::to_string(l), 1000 + 997 * l * l, 2, {}};
+    for (uint32_t b = 2; b <= 8; ++b)
+      layer.candidates.push_back({"quant:bits=" + std::to_string(b), tools::quant_encoded_bytes(layer.numel, b), 0});
+    layers.push_back(std::move(layer));
+  }
+  layers.push_back(Layer{"bias", 64, 0, {{"none", 256, 0}}});
+  return layers;
+}
+
+// One rank's sample of every layer: the stochastic-rounding error model with a per-layer
+// scale and per-sample noise.
+void add_samples(ErrorStats& stats, const std::vector<Layer>& layers, std::mt19937_64& rng) {
+  std::uniform_real_distribution<double> unit(0.5, 1.5);
+  for (size_t l = 0; l < layers.size(); ++l) {
+    std::vector<double> e;
+    const double scale = static_cast<double>(layers[l].numel) * (1 + l % 3) * unit(rng);
+    for (size_t c = 0; c < layers[l].candidates.size(); ++c) {
+      const double levels = static_cast<double>((4u << c) - 1);
+      e.push_back(layers[l].candidates.size() == 1 ? 0.0 : scale / (levels * levels));
+    }
+    stats.add(l, e);
+  }
+}
+
+ControllerSettings small_schedule(uint64_t warmup, uint64_t period, uint64_t window, uint64_t lag) {
+  ControllerSettings s;
+  s.schedule = {warmup, period, window, lag};
+  return s;
+}
+
+// The problem the controller must have solved: the layers with the aggregated means.
+Problem expected_problem(const ControllerSettings& settings, std::vector<Layer> layers, const ErrorStats& stats) {
+  Problem p;
+  p.alpha = settings.alpha;
+  for (size_t l = 0; l < layers.size(); ++l)
+    for (uint32_t c = 0; c < layers[l].candidates.size(); ++c) layers[l].candidates[c].error = stats.mean(l, c);
+  p.layers = std::move(layers);
+  return p;
+}
+
+size_t thread_count() {
+  size_t n = 0;
+  if (DIR* d = opendir("/proc/self/task")) {
+    while (const dirent* e = readdir(d)) n += e->d_name[0] != '.';
+    closedir(d);
+  }
+  return n;
+}
+
+// Waits for fn() to become true, for at most 10 s (never hangs the suite).
+template <typename Fn>
+bool eventually(Fn fn) {
+  for (int i = 0; i < 10000; ++i) {
+    if (fn()) return true;
+    std::this_thread::sleep_for(1ms);
+  }
+  return false;
+}
+
+BOOST_AUTO_TEST_SUITE(controller_thread)
+
+BOOST_AUTO_TEST_CASE(every_rank_switches_at_the_same_step_to_the_same_choices) {
+  const auto layers = make_layers(12);
+  const ControllerSettings settings = small_schedule(5, 6, 2, 2);
+  constexpr int kRanks = 3;
+  std::vector<std::unique_ptr<Controller>> ranks;
+  std::vector<ErrorStats> local;
+  std::vector<std::mt19937_64> rngs;
+  for (int r = 0; r < kRanks; ++r) {
+    ranks.push_back(std::make_unique<Controller>(settings, layers));
+    local.push_back(ranks.back()->new_stats());
+    rngs.emplace_back(test::run_seed() + r);
+  }
+  std::vector<uint32_t> defaults;
+  for (const Layer& l : layers) defaults.push_back(l.default_index);
+
+  std::vector<uint64_t> switch_steps;
+  std::vector<std::pair<uint64_t, std::vector<uint32_t>>> expected;  // (effective step, choices)
+  uint64_t epoch = 0;
+  for (uint64_t step = 0; step < 45; ++step) {
+    std::vector<std::shared_ptr<const Assignment>> a;
+    for (auto& c : ranks) a.push_back(c->assignment_for_step(step));
+    for (int r = 1; r < kRanks; ++r) {
+      BOOST_TEST(a[r]->epoch == a[0]->epoch);
+      BOOST_TEST(a[r]->choices == a[0]->choices);
+    }
+    if (a[0]->epoch != epoch) {
+      epoch = a[0]->epoch;
+      switch_steps.push_back(step);
+      BOOST_TEST(a[0]->effective_step == step);
+    }
+    // The assignment in effect is the one solved from the last window whose switch came.
+    std::vector<uint32_t> want = defaults;
+    for (const auto& [at, choices] : expected)
+      if (at <= step) want = choices;
+    BOOST_TEST(a[0]->choices == want, "step " << step);
+
+    const auto& schedule = ranks[0]->schedule();
+    if (schedule.measures(step))
+      for (int r = 0; r < kRanks; ++r) add_samples(local[r], layers, rngs[r]);
+    if (schedule.window_ends(step)) {
+      ErrorStats sum = ranks[0]->new_stats();  // the engine's allreduce
+      for (int r = 0; r < kRanks; ++r) sum.merge(local[r]);
+      for (auto& c : ranks) c->submit(step, sum);
+      for (auto& l : local) l.clear();
+      expected.emplace_back(schedule.effective_step(step),
+                            controller::solve(expected_problem(settings, layers, sum)).choices);
+    }
+  }
+  BOOST_TEST(switch_steps == std::vector<uint64_t>({6, 12, 18, 24, 30, 36, 42}));
+  for (auto& c : ranks) BOOST_TEST(c->counters().solves == 7u);
+}
+
+// A solver that blocks until released, to stand for a slow solve.
+struct GatedSolver {
+  std::promise<void> gate;
+  std::shared_future<void> opened = gate.get_future().share();
+  Controller::SolveFunction function() {
+    auto open = opened;
+    return [open](const Problem& p, const controller::SolverOptions& o) {
+      open.wait();
+      return controller::solve(p, o);
+    };
+  }
+};
+
+BOOST_AUTO_TEST_CASE(training_path_waits_only_when_the_switch_step_arrives_first) {
+  const auto layers = make_layers(4);
+  GatedSolver solver;
+  Controller c(small_schedule(2, 10, 1, 3), layers, solver.function());
+  std::mt19937_64 rng(test::run_seed());
+  ErrorStats stats = c.new_stats();
+  BOOST_TEST(c.schedule().measures(1));
+  add_samples(stats, layers, rng);
+  BOOST_TEST(c.schedule().window_ends(1));
+  c.submit(1, stats);  // effective at step 4; the solve is held at the gate
+
+  // Steps before the switch return at once with the defaults, solve or no solve.
+  for (uint64_t step : {2, 3}) {
+    auto before = std::async(std::launch::async, [&c, step] { return c.assignment_for_step(step); });
+    BOOST_REQUIRE(before.wait_for(10s) == std::future_status::ready);
+    BOOST_TEST(before.get()->epoch == 0u);
+  }
+  auto at_switch = std::async(std::launch::async, [&c] { return c.assignment_for_step(4); });
+  BOOST_TEST((at_switch.wait_for(100ms) == std::future_status::timeout));  // waiting for the solve
+  solver.gate.set_value();
+  BOOST_REQUIRE(at_switch.wait_for(10s) == std::future_status::ready);
+  const auto a = at_switch.get();
+  BOOST_TEST(a->epoch == 1u);
+  BOOST_TEST(a->effective_step == 4u);
+  const auto counters = c.counters();
+  BOOST_TEST(counters.waits == 1u);
+  BOOST_TEST(counters.wait_ms >= 50.0);
+}
+
+BOOST_AUTO_TEST_CASE(no_wait_when_the_solve_finishes_first) {
+  const auto layers = make_layers(4);
+  Controller c(small_schedule(2, 10, 1, 3), layers);
+  std::mt19937_64 rng(test::run_seed());
+  ErrorStats stats = c.new_stats();
+  add_samples(stats, layers, rng);
+  c.submit(1, stats);
+  BOOST_REQUIRE(eventually([&] { return c.counters().solves == 1; }));
+  BOOST_TEST(c.assignment_for_step(3)->epoch == 0u);
+  BOOST_TEST(c.assignment_for_step(4)->epoch == 1u);
+  BOOST_TEST(c.counters().waits == 0u);
+}
+
+BOOST_AUTO_TEST_CASE(a_failed_solve_keeps_the_current_assignment) {
+  const auto layers = make_layers(3);
+  int calls = 0;
+  Controller c(small_schedule(2, 4, 1, 1), layers, [&calls](const Problem& p, const controller::SolverOptions& o) {
+    if (++calls == 1) throw std::runtime_error("injected failure");
+    return controller::solve(p, o);
+  });
+  std::mt19937_64 rng(test::run_seed());
+  ErrorStats stats = c.new_stats();
+  add_samples(stats, layers, rng);
+  c.submit(1, stats);
+  BOOST_TEST(c.assignment_for_step(2)->epoch == 0u);  // waits for the (failing) solve
+  BOOST_TEST(c.counters().failed_solves == 1u);
+  c.submit(5, stats);
+  BOOST_TEST(c.assignment_for_step(6)->epoch == 2u);
+}
+
+BOOST_AUTO_TEST_CASE(a_layer_without_samples_keeps_its_default) {
+  auto layers = make_layers(3);
+  Controller c(small_schedule(2, 4, 1, 1), layers);
+  std::mt19937_64 rng(test::run_seed());
+  ErrorStats all = c.new_stats();
+  add_samples(all, layers, rng);
+  ErrorStats partial = c.new_stats();  // layer 1 every sample overflowed
+  for (size_t l = 0; l < layers.size(); ++l) {
+    std::vector<double> e(layers[l].candidates.size());
+    for (uint32_t k = 0; k < e.size(); ++k) e[k] = l == 1 ? std::nan("") : all.mean(l, k);
+    partial.add(l, e);
+  }
+  c.submit(1, partial);
+  const auto a = c.assignment_for_step(2);
+  BOOST_TEST(a->epoch == 1u);
+  BOOST_TEST(a->choices[1] == layers[1].default_index);
+}
+
+BOOST_AUTO_TEST_CASE(decision_log_has_one_json_line_per_epoch) {
+  const auto layers = make_layers(5);
+  test::TempDir dir;
+  ControllerSettings settings = small_schedule(3, 5, 2, 2);
+  settings.decision_log_path = dir.file("decisions.jsonl");
+  {
+    Controller c(settings, layers);
+    std::mt19937_64 rng(test::run_seed());
+    ErrorStats stats = c.new_stats();
+    for (uint64_t step = 0; step < 15; ++step) {  // through the third switch, at 14
+      c.assignment_for_step(step);
+      if (c.schedule().measures(step)) add_samples(stats, layers, rng);
+      if (c.schedule().window_ends(step)) {
+        c.submit(step, stats);
+        stats.clear();
+      }
+    }
+  }  // destroyed: joined, log closed
+  std::ifstream in(settings.decision_log_path);
+  std::string line;
+  std::vector<nlohmann::json> lines;
+  while (std::getline(in, line)) lines.push_back(nlohmann::json::parse(line));
+  BOOST_REQUIRE_EQUAL(lines.size(), 3u);  // windows ending at 2, 7, 12
+  for (size_t i = 0; i < lines.size(); ++i) {
+    const auto& d = lines[i];
+    BOOST_TEST(d.at("epoch").get<uint64_t>() == i + 1);
+    BOOST_TEST(d.at("stats_last_step").get<uint64_t>() == 2 + 5 * i);
+    BOOST_TEST(d.at("effective_step").get<uint64_t>() == 4 + 5 * i);
+    BOOST_TEST(d.at("samples").get<uint64_t>() == 2u);
+    BOOST_TEST(d.at("feasible").get<bool>());
+    BOOST_TEST(d.at("error").get<double>() <= d.at("budget").get<double>());
+    BOOST_TEST(d.at("bytes").get<uint64_t>() <= d.at("default_bytes").get<uint64_t>());
+    BOOST_TEST(d.at("solve_ms").get<double>() >= 0.0);
+    BOOST_REQUIRE_EQUAL(d.at("layers").size(), layers.size());
+    BOOST_TEST(d.at("layers")[5].at("codec").get<std::string>() == "none");
+  }
+}
+
+BOOST_AUTO_TEST_CASE(stop_joins_the_thread_and_later_calls_do_not_hang) {
+  const size_t before = thread_count();
+  const auto layers = make_layers(2);
+  {
+    Controller c(small_schedule(2, 4, 1, 1), layers);
+    BOOST_TEST(thread_count() == before + 1);
+    c.stop();
+    c.stop();  // idempotent
+    BOOST_TEST(thread_count() == before);
+    ErrorStats stats = c.new_stats();
+    c.submit(1, stats);
+    auto after = std::async(std::launch::async, [&c] { return c.assignment_for_step(2); });
+    BOOST_REQUIRE(after.wait_for(10s) == std::future_status::ready);
+    BOOST_TEST(after.get()->epoch == 0u);
+  }
+  {
+    Controller c(small_schedule(2, 4, 1, 1), layers);
+    ErrorStats stats = c.new_stats();
+    c.submit(1, stats);  // destroyed with a job queued or running
+  }
+  BOOST_TEST(thread_count() == before);
+}
+
+BOOST_AUTO_TEST_CASE(invalid_use_is_reported) {
+  const auto layers = make_layers(2);
+  BOOST_CHECK_THROW(Controller(small_schedule(1, 4, 1, 1), layers), std::invalid_argument);
+  auto bad = layers;
+  bad[0].default_index = 9;
+  BOOST_CHECK_THROW(Controller(small_schedule(2, 4, 1, 1), bad), controller::ProblemError);
+  Controller c(small_schedule(2, 4, 1, 1), layers);
+  BOOST_CHECK_THROW(c.submit(2, c.new_stats()), std::invalid_argument);  // not a window end
+  BOOST_CHECK_THROW(c.submit(1, ErrorStats({7}, controller::ErrorMetric::kSquaredL2)), std::invalid_argument);
+}
+
+BOOST_AUTO_TEST_SUITE_END()
+
+}  // namespace
+}  // namespace lgreco

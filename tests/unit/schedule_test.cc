@@ -1,0 +1,174 @@
+// When the controller measures, solves and switches, over simulated step sequences.
+#include <boost/test/unit_test.hpp>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "controller/schedule.h"
+#include "controller/stats.h"
+#include "tests/unit/test_util.h"
+
+namespace lgreco {
+namespace {
+
+using controller::Schedule;
+using controller::ScheduleSettings;
+
+BOOST_AUTO_TEST_SUITE(schedule)
+
+BOOST_AUTO_TEST_CASE(defaults_measure_the_last_ten_steps_of_each_period) {
+  const Schedule s(ScheduleSettings{});
+  std::vector<uint64_t> measured, ends;
+  for (uint64_t step = 0; step < 320; ++step) {
+    if (s.measures(step)) measured.push_back(step);
+    if (s.window_ends(step)) ends.push_back(step);
+  }
+  std::vector<uint64_t> expected;
+  for (uint64_t start : {90, 190, 290})
+    for (uint64_t k = 0; k < 10; ++k) expected.push_back(start + k);
+  BOOST_TEST(measured == expected);
+  BOOST_TEST(ends == std::vector<uint64_t>({99, 199, 299}));
+  BOOST_TEST(s.effective_step(99) == 102u);
+}
+
+BOOST_AUTO_TEST_CASE(random_settings_keep_every_rule) {
+  std::mt19937_64 rng(test::run_seed());
+  for (int i = 0; i < 300; ++i) {
+    ScheduleSettings set;
+    set.warmup = 2 + rng() % 30;
+    set.period = 1 + rng() % 25;
+    set.window = 1 + rng() % set.period;
+    set.switch_lag = 1 + rng() % (set.period + 1 - set.window);
+    const Schedule s(set);
+    BOOST_TEST_CONTEXT("warmup " << set.warmup << " period " << set.period << " window " << set.window << " lag "
+                                 << set.switch_lag) {
+      BOOST_TEST(!s.measures(0));  // never DDP's first, pre-rebuild step
+      uint64_t measured = 0;  // measured steps since the previous window ended
+      std::vector<uint64_t> switches, ends;
+      for (uint64_t step = 0; step < 400; ++step) {
+        if (s.measures(step)) ++measured;
+        if (s.window_ends(step)) {
+          BOOST_TEST(s.measures(step));  // a window ends on a measured step
+          const uint64_t expected = ends.empty() ? std::min(set.window, step) : set.window;
+          BOOST_TEST(measured == expected);  // whole windows (the first clipped to start at 1)
+          measured = 0;
+          ends.push_back(step);
+          switches.push_back(s.effective_step(step));
+          BOOST_TEST(s.effective_step(step) >= 2u);
+          BOOST_TEST(s.effective_step(step) >= set.warmup);
+        }
+      }
+      // No switch inside a window: every step of a window runs one assignment.
+      for (uint64_t end : ends) {
+        bool inside = false;
+        for (uint64_t sw : switches) inside = inside || (sw + set.window > end + 1 && sw <= end);
+        BOOST_TEST(!inside, "a switch inside the window ending at " << end);
+      }
+      // Switches: warmup - 1 + lag, then every period.
+      for (size_t k = 0; k < switches.size(); ++k)
+        BOOST_TEST(switches[k] == set.warmup - 1 + set.switch_lag + k * set.period);
+    }
+  }
+}
+
+BOOST_AUTO_TEST_CASE(invalid_settings_are_named) {
+  auto message = [](ScheduleSettings set) {
+    try {
+      Schedule s(set);
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  ScheduleSettings set;
+  set.warmup = 1;
+  BOOST_TEST(message(set).find("warmup 1: must be at least 2") == 0);
+  set = {};
+  set.window = 0;
+  BOOST_TEST(message(set).find("window 0: must be between 1 and the period (100)") == 0);
+  set = {};
+  set.window = 101;
+  BOOST_TEST(message(set).find("window 101") == 0);
+  set = {};
+  set.switch_lag = 0;
+  BOOST_TEST(message(set).find("switch lag 0") == 0);
+  set = {};
+  set.window = 50;
+  set.switch_lag = 60;
+  BOOST_TEST(message(set).find("window 50 + switch lag 60: must be at most period + 1 (101)") == 0);
+  set = {};
+  set.period = 0;
+  BOOST_TEST(message(set).find("period 0") == 0);
+}
+
+BOOST_AUTO_TEST_SUITE_END()
+
+BOOST_AUTO_TEST_SUITE(error_stats)
+
+BOOST_AUTO_TEST_CASE(sums_and_means_match_a_float64_reference_for_both_metrics) {
+  std::mt19937_64 rng(test::run_seed());
+  std::uniform_real_distribution<double> unit(0.0, 10.0);
+  const std::vector<uint32_t> shape = {7, 1, 3};
+  for (auto metric : {controller::ErrorMetric::kSquaredL2, controller::ErrorMetric::kL2}) {
+    controller::ErrorStats stats(shape, metric);
+    std::vector<std::vector<double>> reference(3);
+    std::vector<uint64_t> samples(3, 0);
+    for (size_t l = 0; l < 3; ++l) reference[l].assign(shape[l], 0.0);
+    for (int i = 0; i < 50; ++i) {
+      const size_t l = rng() % 3;
+      std::vector<double> e(shape[l]);
+      for (auto& v : e) v = unit(rng);
+      BOOST_TEST(stats.add(l, e));
+      for (size_t c = 0; c < e.size(); ++c)
+        reference[l][c] += metric == controller::ErrorMetric::kL2 ? std::sqrt(e[c]) : e[c];
+      ++samples[l];
+    }
+    for (size_t l = 0; l < 3; ++l) {
+      BOOST_TEST(stats.samples(l) == samples[l]);
+      for (uint32_t c = 0; c < shape[l]; ++c)
+        BOOST_TEST(stats.mean(l, c) == (samples[l] ? reference[l][c] / samples[l] : 0.0),
+                   boost::test_tools::tolerance(1e-14));
+    }
+  }
+}
+
+BOOST_AUTO_TEST_CASE(overflowed_samples_are_skipped_and_counted) {
+  controller::ErrorStats stats({2}, controller::ErrorMetric::kSquaredL2);
+  BOOST_TEST(stats.add(0, std::vector<double>{1.0, 2.0}));
+  BOOST_TEST(!stats.add(0, std::vector<double>{std::numeric_limits<double>::infinity(), 2.0}));
+  BOOST_TEST(!stats.add(0, std::vector<double>{1.0, std::nan("")}));
+  BOOST_TEST(!stats.add(0, std::vector<double>{-1.0, 2.0}));
+  BOOST_TEST(stats.samples(0) == 1u);
+  BOOST_TEST(stats.skipped(0) == 3u);
+  BOOST_TEST(stats.mean(0, 1) == 2.0);
+  BOOST_CHECK_THROW(stats.add(1, std::vector<double>{1.0, 2.0}), std::invalid_argument);
+  BOOST_CHECK_THROW(stats.add(0, std::vector<double>{1.0}), std::invalid_argument);
+}
+
+BOOST_AUTO_TEST_CASE(summing_reduction_buffers_across_ranks_equals_merging) {
+  std::mt19937_64 rng(test::run_seed() ^ 3);
+  std::uniform_real_distribution<double> unit(0.0, 1.0);
+  const std::vector<uint32_t> shape = {3, 2};
+  std::vector<controller::ErrorStats> ranks(4, controller::ErrorStats(shape, controller::ErrorMetric::kSquaredL2));
+  for (auto& r : ranks)
+    for (int i = 0; i < 10; ++i) r.add(i % 2, std::vector<double>(shape[i % 2], unit(rng)));
+  // What the engine's allreduce does: elementwise sums of the flat buffers.
+  controller::ErrorStats allreduced(shape, controller::ErrorMetric::kSquaredL2);
+  for (const auto& r : ranks)
+    for (size_t i = 0; i < r.reduction_buffer().size(); ++i) allreduced.reduction_buffer()[i] += r.reduction_buffer()[i];
+  controller::ErrorStats merged(shape, controller::ErrorMetric::kSquaredL2);
+  for (const auto& r : ranks) merged.merge(r);
+  BOOST_TEST(allreduced.samples(0) == 20u);
+  for (size_t l = 0; l < 2; ++l)
+    for (uint32_t c = 0; c < shape[l]; ++c) BOOST_TEST(allreduced.mean(l, c) == merged.mean(l, c));
+  controller::ErrorStats other({3, 3}, controller::ErrorMetric::kSquaredL2);
+  BOOST_CHECK_THROW(merged.merge(other), std::invalid_argument);
+  merged.clear();
+  BOOST_TEST(merged.samples(0) == 0u);
+}
+
+BOOST_AUTO_TEST_SUITE_END()
+
+}  // namespace
+}  // namespace lgreco
