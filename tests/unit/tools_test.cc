@@ -1,12 +1,15 @@
 // The command-line tools as a user runs them: lgreco-codec's commands and its errors,
 // the independent Python decoder (written from docs/FORMAT.md alone) agreeing with it,
-// and smoke runs of the benchmark and the demo.
+// lgreco-solve on problem files, and smoke runs of the benchmarks and the demo.
 #include <boost/test/unit_test.hpp>
 #include <cmath>
 #include <cstring>
 #include <random>
 #include <sstream>
 
+#include <nlohmann/json.hpp>
+
+#include "controller/problem_json.h"
 #include "kernels/codec.h"
 #include "kernels/lgc_file.h"
 #include "test_util.h"
@@ -203,6 +206,78 @@ BOOST_AUTO_TEST_CASE(benchmark_and_demo_run) {
   const auto demo = test::run_command(test::bin_dir() + "/lgreco-quant-demo --scale 0.02");
   BOOST_TEST(demo.exit_code == 0, demo.output);
   BOOST_TEST(contains(demo.output, "resnet50"));
+  BOOST_TEST(contains(demo.output, "L-GreCo: one bit width per layer"));
+  const auto solve_bench = test::run_command(test::bin_dir() + "/lgreco-solve-bench --reps 1");
+  BOOST_TEST(solve_bench.exit_code == 0, solve_bench.output);
+  BOOST_TEST(contains(solve_bench.output, "quant        1000"));
+  BOOST_TEST(test::run_command(test::bin_dir() + "/lgreco-solve-bench --reps 0").exit_code == 2);
+}
+
+std::string solve_tool() { return test::bin_dir() + "/lgreco-solve"; }
+
+BOOST_AUTO_TEST_CASE(solve_answers_a_problem_file_as_the_library_does) {
+  std::mt19937_64 rng(test::run_seed());
+  std::uniform_real_distribution<double> unit(0.0, 1.0);
+  nlohmann::json problem = {{"alpha", 0.5 + unit(rng)}, {"layers", nlohmann::json::array()}};
+  for (int l = 0; l < 40; ++l) {
+    nlohmann::json layer = {{"name", "layer" + std::to_string(l)}, {"default", 2}};
+    for (int b = 2; b <= 8; ++b)
+      layer["candidates"].push_back({{"codec", "quant:bits=" + std::to_string(b)},
+                                     {"bytes", 1000 * b + rng() % 500},
+                                     {"error", (1.0 + unit(rng)) / (1 << (2 * b))}});
+    problem["layers"].push_back(layer);
+  }
+  test::TempDir dir;
+  const std::string text = problem.dump(2);
+  test::write_bytes(dir.file("p.json"), text.data(), text.size());
+  const auto r = test::run_command(solve_tool() + " " + dir.file("p.json"));
+  BOOST_REQUIRE_MESSAGE(r.exit_code == 0, r.output);
+  const auto out = nlohmann::json::parse(r.output);
+  const auto p = controller::parse_problem_json(text);
+  const auto s = controller::solve(p);
+  BOOST_TEST(out.at("choices").get<std::vector<uint32_t>>() == s.choices);
+  BOOST_TEST(out.at("bytes").get<uint64_t>() == s.bytes);
+  BOOST_TEST(out.at("feasible").get<bool>() == s.feasible);
+  BOOST_TEST(out.at("default_bytes").get<uint64_t>() == s.default_bytes);
+  BOOST_TEST(out.contains("solve_ms"));
+  const auto piped = test::run_command(solve_tool() + " - < " + dir.file("p.json"));
+  BOOST_TEST(piped.exit_code == 0);
+  BOOST_TEST(nlohmann::json::parse(piped.output).at("choices") == out.at("choices"));
+}
+
+BOOST_AUTO_TEST_CASE(solve_rejects_malformed_problems_naming_the_field) {
+  test::TempDir dir;
+  struct Case {
+    std::string text, expected;
+  };
+  const Case cases[] = {
+      {"not json", "not valid JSON at line 1"},
+      {R"({"layers": [{"name": "a", "candidates": [{"codec": "none", "bytes": 4, "error": NaN}]}]})",
+       "NaN is not a JSON number"},
+      {R"({"layers": [{"name": "a", "candidates": [{"codec": "none", "bytes": -4, "error": 1}]}]})",
+       "layers[0] (a).candidates[0].bytes: -4; expected a non-negative integer"},
+      {R"({"layers": [{"name": "a", "default": 1, "candidates": [{"codec": "none", "bytes": 4, "error": 1}]}]})",
+       "layers[0] (a).default: 1 is out of range"},
+      {R"({"layers": [{"name": "a", "candidates": [{"codec": "none", "error": 1}]}]})",
+       "layers[0] (a).candidates[0].bytes: missing"},
+      {R"({"alpha": 1})", "layers: missing"},
+  };
+  for (const Case& c : cases) {
+    test::write_bytes(dir.file("bad.json"), c.text.data(), c.text.size());
+    const auto r = test::run_command(solve_tool() + " " + dir.file("bad.json"));
+    BOOST_TEST_CONTEXT(c.text) {
+      BOOST_TEST(r.exit_code == 1);
+      BOOST_TEST(contains(r.output, "lgreco-solve: error: " + dir.file("bad.json") + ": "), r.output);
+      BOOST_TEST(contains(r.output, c.expected), r.output);
+    }
+  }
+  BOOST_TEST(test::run_command(solve_tool()).exit_code == 2);
+  BOOST_TEST(test::run_command(solve_tool() + " --frobnicate x.json").exit_code == 2);
+  BOOST_TEST(test::run_command(solve_tool() + " --tolerance 2 x.json").exit_code == 2);
+  BOOST_TEST(test::run_command(solve_tool() + " " + dir.file("missing.json")).exit_code == 1);
+  const auto help = test::run_command(solve_tool() + " --help");
+  BOOST_TEST(help.exit_code == 0);
+  BOOST_TEST(contains(help.output, "PROBLEM.json"));
 }
 
 BOOST_AUTO_TEST_SUITE_END()
