@@ -107,6 +107,8 @@ FORCE:
 $(BUILD)/obj/%.cc.o: %.cc
 	@mkdir -p $(@D)
 	$(CXX) $(CPPFLAGS) $(CXXFLAGS) -c $< -o $@
+# The solver's DP loop needs the full vectorizer too.
+$(BUILD)/obj/controller/solver.cc.o: CXXFLAGS += $(KERNEL_CXXFLAGS)
 
 $(BUILD)/obj/%.cu.o: %.cu
 	@mkdir -p $(@D)

@@ -5,6 +5,8 @@
 #include <limits>
 #include <numeric>
 
+#include "kernels/cpu_dispatch.h"
+
 namespace lgreco::controller {
 
 std::vector<std::vector<double>> candidate_costs(const Problem& problem) {
@@ -155,244 +157,374 @@ void improve(const Flat& f, Choices& choices, double budget) {
   repair(f, choices, budget);  // the running sum above is not the layer-order sum
 }
 
-// --- Step 1: LP relaxation over the per-layer lower convex hulls -------------------------
+// --- Hulls and the greedy walk -----------------------------------------------------------
 
 struct HullStep {
   double efficiency;  // cost saved per unit of error added
   double saving, extra_error;
-  uint32_t layer, step;  // step i goes from hull point i to i + 1
+  uint32_t layer, step;  // layer: index within the walk; step i goes from hull point i to i + 1
 };
 
-struct Relaxation {
-  Choices incumbent;          // feasible integer assignment
-  double lower_bound = 0;     // LP value
-  double lambda = 0;          // multiplier at the break (0: nothing had to stop)
-  bool proven_optimal = false;
-};
-
-// Candidates of layer l on the lower convex hull of (error, cost), by increasing error.
-void layer_hull(const Flat& f, size_t l, std::vector<uint32_t>& order, std::vector<uint32_t>& hull) {
-  order.resize(f.count(l));
-  std::iota(order.begin(), order.end(), 0u);
-  std::sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) {
+// Sorts candidates of layer l by error, then cost, then index.
+void sort_by_error(const Flat& f, size_t l, std::vector<uint32_t>& candidates) {
+  std::sort(candidates.begin(), candidates.end(), [&](uint32_t a, uint32_t b) {
     const double ea = f.error_of(l, a), eb = f.error_of(l, b);
     if (ea != eb) return ea < eb;
     const double sa = f.cost_of(l, a), sb = f.cost_of(l, b);
     if (sa != sb) return sa < sb;
     return a < b;
   });
-  hull.clear();
-  for (uint32_t c : order) {
-    const double e = f.error_of(l, c), s = f.cost_of(l, c);
-    if (!hull.empty() && s >= f.cost_of(l, hull.back())) continue;  // dominated
-    // Drop the last point while it lies on or above the chord from the one before to c.
-    while (hull.size() >= 2) {
-      const uint32_t a = hull[hull.size() - 2], b = hull.back();
-      const double ea = f.error_of(l, a), sa = f.cost_of(l, a);
-      const double eb = f.error_of(l, b), sb = f.cost_of(l, b);
-      if ((sb - sa) * (e - ea) >= (s - sa) * (eb - ea)) {
-        hull.pop_back();
-      } else {
-        break;
-      }
-    }
-    hull.push_back(c);
-  }
 }
 
-Relaxation relax(const Flat& f, double budget) {
-  const size_t layers = f.layers();
-  std::vector<uint32_t> hull_first{0}, hull_points, order, hull;
-  std::vector<HullStep> steps;
-  for (size_t l = 0; l < layers; ++l) {
-    layer_hull(f, l, order, hull);
-    double previous = kInf;
-    for (size_t i = 0; i + 1 < hull.size(); ++i) {
-      const double saving = f.cost_of(l, hull[i]) - f.cost_of(l, hull[i + 1]);
-      const double extra = f.error_of(l, hull[i + 1]) - f.error_of(l, hull[i]);
-      // Convexity makes efficiencies decrease along the hull; clamp so that rounding can
-      // never order a step before its predecessor.
-      const double efficiency = std::min(previous, saving / extra);
-      previous = efficiency;
-      steps.push_back({efficiency, saving, extra, static_cast<uint32_t>(l), static_cast<uint32_t>(i)});
+// Of candidates sorted by error, keeps those on the lower convex hull of (error, cost).
+void lower_hull(const Flat& f, size_t l, std::vector<uint32_t>& candidates) {
+  size_t n = 0;  // candidates[0, n) is the hull so far
+  for (uint32_t c : candidates) {
+    const double e = f.error_of(l, c), s = f.cost_of(l, c);
+    if (n > 0 && s >= f.cost_of(l, candidates[n - 1])) continue;  // dominated
+    // Drop the last point while it lies on or above the chord from the one before to c.
+    while (n >= 2) {
+      const uint32_t a = candidates[n - 2], b = candidates[n - 1];
+      const double ea = f.error_of(l, a), sa = f.cost_of(l, a);
+      const double eb = f.error_of(l, b), sb = f.cost_of(l, b);
+      if ((sb - sa) * (e - ea) < (s - sa) * (eb - ea)) break;
+      --n;
     }
-    hull_points.insert(hull_points.end(), hull.begin(), hull.end());
-    hull_first.push_back(static_cast<uint32_t>(hull_points.size()));
+    candidates[n++] = c;
   }
-  std::sort(steps.begin(), steps.end(), [](const HullStep& a, const HullStep& b) {
-    if (a.efficiency != b.efficiency) return a.efficiency > b.efficiency;
-    if (a.layer != b.layer) return a.layer < b.layer;
-    return a.step < b.step;
-  });
+  candidates.resize(n);
+}
 
-  std::vector<uint32_t> position(layers, 0);
-  std::vector<uint8_t> blocked(layers, 0);
-  Choices start(layers);
-  for (size_t l = 0; l < layers; ++l) start[l] = hull_points[hull_first[l]];
-  double cost = total_cost(f, start);
-  double slack = budget - total_error(f, start);
+// A set of layers relaxed to the lower convex hulls of their candidates. All hull steps,
+// in order of cost saved per error added, trace the LP relaxation's optimum as a function
+// of the error allowed (convex, piecewise linear); taking them greedily gives integer
+// assignments within one step of it.
+class HullWalk {
+ public:
+  // layers: global layer indices; candidates_of(l, list) fills the candidates layer l may use.
+  template <typename CandidatesOf>
+  HullWalk(const Flat& f, std::vector<uint32_t> layers, CandidatesOf candidates_of)
+      : layers_(std::move(layers)) {
+    std::vector<uint32_t> list;
+    hull_first_.push_back(0);
+    for (uint32_t j = 0; j < layers_.size(); ++j) {
+      const size_t l = layers_[j];
+      candidates_of(l, list);
+      sort_by_error(f, l, list);
+      lower_hull(f, l, list);
+      double previous = kInf;
+      for (size_t i = 0; i + 1 < list.size(); ++i) {
+        const double saving = f.cost_of(l, list[i]) - f.cost_of(l, list[i + 1]);
+        const double extra = f.error_of(l, list[i + 1]) - f.error_of(l, list[i]);
+        // Convexity makes efficiencies decrease along a hull; clamp so that rounding can
+        // never order a step before its predecessor.
+        const double efficiency = std::min(previous, saving / extra);
+        previous = efficiency;
+        steps_.push_back({efficiency, saving, extra, j, static_cast<uint32_t>(i)});
+      }
+      start_cost_ += f.cost_of(l, list[0]);
+      start_error_ += f.error_of(l, list[0]);
+      hull_.insert(hull_.end(), list.begin(), list.end());
+      hull_first_.push_back(static_cast<uint32_t>(hull_.size()));
+    }
+    std::sort(steps_.begin(), steps_.end(), [](const HullStep& a, const HullStep& b) {
+      if (a.efficiency != b.efficiency) return a.efficiency > b.efficiency;
+      if (a.layer != b.layer) return a.layer < b.layer;
+      return a.step < b.step;
+    });
+    cum_extra_.assign(1, 0.0);
+    cum_saving_.assign(1, 0.0);
+    for (const HullStep& s : steps_) {
+      cum_extra_.push_back(cum_extra_.back() + s.extra_error);
+      cum_saving_.push_back(cum_saving_.back() + s.saving);
+    }
+  }
+
+  double least_error() const { return start_error_; }
+  size_t step_count() const { return steps_.size(); }
+  const HullStep& step(size_t i) const { return steps_[i]; }
+
+  // The first step that does not fit in `room` (step_count() when all fit).
+  size_t break_at(double room) const {
+    const double r = room - start_error_;
+    return static_cast<size_t>(std::upper_bound(cum_extra_.begin() + 1, cum_extra_.end(), r) - cum_extra_.begin()) -
+           1;
+  }
+
+  // The LP optimum of these layers within `room` error; +inf below least_error().
+  double lp_cost(double room) const {
+    const double r = room - start_error_;
+    if (r < 0) return kInf;
+    const size_t i = break_at(room);
+    double cost = start_cost_ - cum_saving_[i];
+    if (i < steps_.size()) cost -= steps_[i].saving * ((r - cum_extra_[i]) / steps_[i].extra_error);
+    return cost;
+  }
+
+  // Steps in order, each taken if it still fits; a layer stops at its first step that
+  // does not. Writes the chosen candidates of these layers into `out`.
+  void greedy(double room, Choices& out) const {
+    std::vector<uint32_t> position(layers_.size(), 0);
+    fill(position, room - start_error_, 0, UINT32_MAX);
+    write(position, out);
+  }
+
+  // Takes the break step, undoes the least efficient steps taken before it until the
+  // room fits again, then continues greedily. Better than greedy() when the break falls on
+  // a big layer that many small ones can pay for. False when nothing fits.
+  bool greedy_through_break(double room, Choices& out) const {
+    const size_t at = break_at(room);
+    if (at == steps_.size()) return false;
+    std::vector<uint32_t> position(layers_.size(), 0);
+    for (size_t i = 0; i <= at; ++i) ++position[steps_[i].layer];
+    double left = room - start_error_ - cum_extra_[at + 1];
+    for (size_t i = at; i-- > 0 && left < 0;) {
+      if (steps_[i].layer == steps_[at].layer) continue;
+      --position[steps_[i].layer];
+      left += steps_[i].extra_error;
+    }
+    if (left < 0) return false;
+    fill(position, left, at + 1, steps_[at].layer);
+    write(position, out);
+    return true;
+  }
+
+ private:
+  void fill(std::vector<uint32_t>& position, double left, size_t from, uint32_t blocked_layer) const {
+    std::vector<uint8_t> blocked(layers_.size(), 0);
+    if (blocked_layer != UINT32_MAX) blocked[blocked_layer] = 1;
+    for (size_t i = from; i < steps_.size(); ++i) {
+      const HullStep& s = steps_[i];
+      if (blocked[s.layer] || position[s.layer] != s.step) continue;
+      if (s.extra_error <= left) {
+        ++position[s.layer];
+        left -= s.extra_error;
+      } else {
+        blocked[s.layer] = 1;
+      }
+    }
+  }
+  void write(const std::vector<uint32_t>& position, Choices& out) const {
+    for (size_t j = 0; j < layers_.size(); ++j) out[layers_[j]] = hull_[hull_first_[j] + position[j]];
+  }
+
+  std::vector<uint32_t> layers_;
+  std::vector<uint32_t> hull_first_, hull_;  // hull points of walk layer j
+  std::vector<HullStep> steps_;
+  std::vector<double> cum_extra_, cum_saving_;  // over the first i steps
+  double start_cost_ = 0, start_error_ = 0;     // every layer at its least-error hull point
+};
+
+// --- Step 1: the LP relaxation of the whole problem --------------------------------------
+
+struct Relaxation {
+  std::vector<Choices> incumbents;  // integer assignments within the budget (up to rounding)
+  double lower_bound = 0;           // the LP optimum
+  double lambda = 0;                // its multiplier: the efficiency of the break step
+  bool proven_optimal = false;      // every layer reached its cheapest candidate
+};
+
+Relaxation relax(const Flat& f, double budget) {
+  std::vector<uint32_t> all(f.layers());
+  std::iota(all.begin(), all.end(), 0u);
+  const HullWalk walk(f, all, [&f](size_t l, std::vector<uint32_t>& list) {
+    list.resize(f.count(l));
+    std::iota(list.begin(), list.end(), 0u);
+  });
   Relaxation r;
-  bool broken = false;
-  for (const HullStep& s : steps) {
-    if (blocked[s.layer] || position[s.layer] != s.step) continue;
-    if (s.extra_error <= slack) {
-      ++position[s.layer];
-      slack -= s.extra_error;
-      cost -= s.saving;
-      continue;
-    }
-    if (!broken) {
-      broken = true;
-      r.lambda = s.efficiency;
-      r.lower_bound = cost - s.saving * (std::max(slack, 0.0) / s.extra_error);
-    }
-    blocked[s.layer] = 1;  // past the break: keep walking other layers greedily
-  }
-  r.incumbent.resize(layers);
-  for (size_t l = 0; l < layers; ++l) r.incumbent[l] = hull_points[hull_first[l] + position[l]];
-  if (!broken) {  // every layer reached its cheapest candidate: optimal
+  r.incumbents.emplace_back(f.layers());
+  walk.greedy(budget, r.incumbents[0]);
+  const size_t at = walk.break_at(budget);
+  if (at == walk.step_count()) {
     r.proven_optimal = true;
-    r.lower_bound = total_cost(f, r.incumbent);
+    r.lower_bound = total_cost(f, r.incumbents[0]);
+    return r;
   }
+  r.lambda = walk.step(at).efficiency;
+  r.lower_bound = walk.lp_cost(budget);
+  Choices through(f.layers());
+  if (walk.greedy_through_break(budget, through)) r.incumbents.push_back(std::move(through));
   return r;
 }
 
-// --- Steps 2 and 3: Lagrangian reduction, then a DP over the core ------------------------
+// --- Steps 2 and 3: Lagrangian reduction, then a DP over the big core layers -------------
+
+// The DP's inner loop: bins w..last take candidate `tag` (weight w, error e) where it
+// lowers their error. Branch-free so that it vectorizes; the AVX2 clone gives the same
+// bits (one add and one compare per bin), so dispatch cannot make ranks disagree.
+LGRECO_MULTIVERSION void relax_bins(const double* from, double* to, uint8_t* row, size_t w, size_t last, double e,
+                                    uint8_t tag) {
+  for (size_t b = w; b <= last; ++b) {
+    const double v = from[b - w] + e;
+    const bool better = v < to[b];
+    to[b] = better ? v : to[b];
+    row[b] = better ? tag : row[b];
+  }
+}
 
 struct Refinement {
-  Choices choices;
-  double lower_bound = 0;  // valid when ran
+  std::vector<Choices> candidates;  // assignments to evaluate (up to rounding within budget)
+  double lower_bound = 0;           // valid for assignments using only the survivors
   uint32_t core_layers = 0;
   double bin_width = 0;
   bool ran = false;
 };
 
-Refinement refine(const Flat& f, const Relaxation& r, double incumbent_cost, double budget,
-                  const SolverOptions& options) {
+Refinement refine(const Flat& f, const Relaxation& r, const Choices& incumbent, double incumbent_cost,
+                  double budget, const SolverOptions& options) {
   const size_t layers = f.layers();
   Refinement out;
-  const double gap = incumbent_cost - r.lower_bound;
   if (!std::isfinite(r.lambda)) return out;
-  // Keep a candidate only if its reduced cost fits in the gap (with room for rounding).
-  const double keep_limit = gap + 1e-9 * std::max(std::abs(incumbent_cost), 1e-300);
 
+  // Reduction: a candidate whose reduced cost exceeds the gap cannot be in an assignment
+  // cheaper than the incumbent (with room for rounding).
+  const double keep_limit = (incumbent_cost - r.lower_bound) + 1e-9 * std::max(std::abs(incumbent_cost), 1e-300);
   std::vector<uint32_t> kept_first{0}, kept;  // per layer, its Pareto-efficient survivors
-  std::vector<uint32_t> candidates, order;
+  std::vector<uint32_t> list;
   for (size_t l = 0; l < layers; ++l) {
     double floor_value = kInf;
     for (uint32_t c = 0; c < f.count(l); ++c)
       floor_value = std::min(floor_value, f.cost_of(l, c) + r.lambda * f.error_of(l, c));
-    candidates.clear();
-    for (uint32_t c = 0; c < f.count(l); ++c) {
-      const double reduced = f.cost_of(l, c) + r.lambda * f.error_of(l, c) - floor_value;
-      if (reduced <= keep_limit || c == r.incumbent[l]) candidates.push_back(c);
-    }
-    std::sort(candidates.begin(), candidates.end(), [&](uint32_t a, uint32_t b) {
-      const double ea = f.error_of(l, a), eb = f.error_of(l, b);
-      if (ea != eb) return ea < eb;
-      const double sa = f.cost_of(l, a), sb = f.cost_of(l, b);
-      if (sa != sb) return sa < sb;
-      return a < b;
-    });
-    for (uint32_t c : candidates)  // drop dominated: more error for no less cost
+    list.clear();
+    for (uint32_t c = 0; c < f.count(l); ++c)
+      if (f.cost_of(l, c) + r.lambda * f.error_of(l, c) - floor_value <= keep_limit || c == incumbent[l])
+        list.push_back(c);
+    sort_by_error(f, l, list);
+    for (uint32_t c : list)  // drop dominated: more error for no less cost
       if (kept.size() == kept_first.back() || f.cost_of(l, c) < f.cost_of(l, kept.back())) kept.push_back(c);
     kept_first.push_back(static_cast<uint32_t>(kept.size()));
   }
+  auto cheapest = [&](size_t l) { return kept[kept_first[l + 1] - 1]; };
+  auto range = [&](size_t l) { return f.cost_of(l, kept[kept_first[l]]) - f.cost_of(l, cheapest(l)); };
 
+  Choices fixed(layers);
   std::vector<uint32_t> core;
-  double fixed_cost = 0, fixed_error = 0, base_cost = 0;
-  out.choices.resize(layers);
+  double fixed_cost = 0, fixed_error = 0;
   for (size_t l = 0; l < layers; ++l) {
-    const uint32_t n = kept_first[l + 1] - kept_first[l];
-    if (n == 1) {
-      out.choices[l] = kept[kept_first[l]];
-      fixed_cost += f.cost_of(l, out.choices[l]);
-      fixed_error += f.error_of(l, out.choices[l]);
+    if (kept_first[l + 1] - kept_first[l] == 1) {
+      fixed[l] = kept[kept_first[l]];
+      fixed_cost += f.cost_of(l, fixed[l]);
+      fixed_error += f.error_of(l, fixed[l]);
     } else {
       core.push_back(static_cast<uint32_t>(l));
-      base_cost += f.cost_of(l, kept[kept_first[l + 1] - 1]);  // the cheapest survivor
     }
   }
-  const double n_core = static_cast<double>(core.size());
   out.core_layers = static_cast<uint32_t>(core.size());
-  if (core.empty()) {
-    out.ran = true;
-    out.lower_bound = fixed_cost;
-    return out;
-  }
 
-  // Bin width: n_core bins of rounding may cost at most tolerance x the optimum (>= the
-  // lower bound); widen if the table would exceed its cap.
-  const double extra_limit = std::max(incumbent_cost - fixed_cost - base_cost, 0.0);
-  // Two rows of 8-byte errors per bin besides the table: cap the bins too.
-  const double max_bins = std::min(static_cast<double>(options.max_table_cells) / n_core, double{1 << 20});
-  double width = options.tolerance * std::max(r.lower_bound, 0.0) / n_core;
-  if (f.integral_costs) width = std::max(1.0, std::floor(width));
-  auto bins_for = [&](double w) { return std::floor(extra_limit / w) + n_core + 1; };
-  if (!(width > 0) || bins_for(width) > max_bins) {
-    const double resolution = max_bins - n_core - 1;
-    if (resolution < n_core) return out;  // too coarse to help: keep the incumbent
-    width = std::max(width, extra_limit / resolution);
-    if (f.integral_costs) width = std::ceil(width);
-    if (!(width > 0) || bins_for(width) > max_bins) return out;
+  // Split the core: the k layers of widest cost range go to the DP ("big"), the rest
+  // stay relaxed ("small") and are filled greedily, which costs at most one small
+  // layer's range over their LP optimum. The DP's rounding costs at most k bins (k times
+  // width - 1 for whole bytes). Choose k for the least sum of the two, given the cap.
+  std::vector<uint32_t> by_range = core;
+  std::stable_sort(by_range.begin(), by_range.end(), [&](uint32_t a, uint32_t b) { return range(a) > range(b); });
+  const double cap = static_cast<double>(options.max_table_cells);
+  const double min_width = f.integral_costs ? 1.0 : 0.0;
+  size_t big = 0;
+  double width = 0, best_bound = by_range.empty() ? 0 : range(by_range[0]), big_range = 0;
+  for (size_t k = 1; k <= by_range.size(); ++k) {
+    big_range += range(by_range[k - 1]);
+    const double bins_per_layer = std::min(cap / static_cast<double>(k), double{1 << 20}) - static_cast<double>(k) - 1;
+    if (bins_per_layer < static_cast<double>(k)) break;  // the table cannot hold k layers usefully
+    double w = std::max(min_width, big_range / bins_per_layer);
+    if (f.integral_costs) w = std::ceil(w);
+    const double rounding = f.integral_costs ? w - 1 : w;  // whole bytes in 1-byte bins round exactly
+    const double bound = (k < by_range.size() ? range(by_range[k]) : 0.0) + static_cast<double>(k) * rounding;
+    if (bound < best_bound) {
+      best_bound = bound;
+      big = k;
+      width = w;
+    }
   }
-  const size_t bins = static_cast<size_t>(bins_for(width));
-  out.bin_width = width;
+  // No finer than the tolerance needs: (tolerance x bound - small loss) over k layers.
+  if (big > 0) {
+    const double small_loss = big < by_range.size() ? range(by_range[big]) : 0.0;
+    const double target = (options.tolerance * std::max(r.lower_bound, 0.0) - small_loss) / static_cast<double>(big);
+    if (target > width) width = f.integral_costs ? std::max(1.0, std::floor(target)) : target;
+  }
+  std::vector<uint32_t> big_layers(by_range.begin(), by_range.begin() + big);
+  std::vector<uint32_t> small_layers(by_range.begin() + big, by_range.end());
+  std::sort(big_layers.begin(), big_layers.end());
+  std::sort(small_layers.begin(), small_layers.end());
+  const HullWalk small(f, small_layers, [&](size_t l, std::vector<uint32_t>& c) {
+    c.assign(kept.begin() + kept_first[l], kept.begin() + kept_first[l + 1]);
+  });
 
-  // A candidate's extra cost over its layer's cheapest survivor, in bins, rounded up
-  // (capped at `bins`, which no table index reaches).
+  // DP over the big layers: least_error[b] is their least error with rounded extra cost b
+  // (over each layer's cheapest survivor). Bins beyond the incumbent's cost are useless.
+  double big_base = 0;
+  for (uint32_t l : big_layers) big_base += f.cost_of(l, cheapest(l));
+  const double per_layer_rounding = f.integral_costs ? width - 1 : width;
+  size_t bins = 1;
+  if (big > 0) {
+    double useful = std::min(big_range, std::max(incumbent_cost - fixed_cost - big_base, 0.0));
+    bins = static_cast<size_t>(std::min(std::floor(useful / width) + static_cast<double>(big) + 1, cap / big));
+    out.bin_width = width;
+  }
   auto bins_of = [&](size_t l, uint32_t c) {
-    const double base = f.cost_of(l, kept[kept_first[l + 1] - 1]);
-    return static_cast<size_t>(std::min(std::ceil((f.cost_of(l, c) - base) / width), static_cast<double>(bins)));
+    return static_cast<size_t>(
+        std::min(std::ceil((f.cost_of(l, c) - f.cost_of(l, cheapest(l))) / width), static_cast<double>(bins)));
   };
-
-  // least_error[b]: least error of the core layers so far with rounded extra cost b.
   std::vector<double> least_error(bins, kInf), next(bins);
-  std::vector<uint8_t> table(core.size() * bins);
-  std::vector<size_t> weight;
+  std::vector<uint8_t> table(big * bins);
   least_error[0] = 0;
   size_t reach = 0;  // highest bin reachable so far
-  for (size_t k = 0; k < core.size(); ++k) {
-    const size_t l = core[k];
+  for (size_t k = 0; k < big; ++k) {
+    const size_t l = big_layers[k];
     const uint32_t begin = kept_first[l], end = kept_first[l + 1];
-    weight.clear();
-    for (uint32_t i = begin; i < end; ++i) weight.push_back(bins_of(l, kept[i]));
-    const size_t top = std::min(bins - 1, reach + *std::max_element(weight.begin(), weight.end()));
+    size_t top = reach;
+    for (uint32_t i = begin; i < end; ++i) top = std::max(top, std::min(bins - 1, reach + bins_of(l, kept[i])));
     std::fill(next.begin(), next.begin() + top + 1, kInf);
     uint8_t* row = &table[k * bins];
-    for (uint32_t i = 0; i < end - begin; ++i) {
-      const size_t w = weight[i];
-      const double e = f.error_of(l, kept[begin + i]);
-      for (size_t b = w; b <= top && b - w <= reach; ++b) {
-        const double v = least_error[b - w] + e;
-        if (v < next[b]) {
-          next[b] = v;
-          row[b] = static_cast<uint8_t>(i);
-        }
-      }
+    for (uint32_t i = begin; i < end; ++i) {
+      const size_t w = bins_of(l, kept[i]);
+      if (w <= top)
+        relax_bins(least_error.data(), next.data(), row, w, std::min(top, reach + w), f.error_of(l, kept[i]),
+                   static_cast<uint8_t>(i - begin));
     }
     reach = top;
     std::swap(least_error, next);
   }
+
+  // Combine: each bin's big-layer error leaves the rest of the budget to the small layers.
   // Summed in another order than total_error(): allow for rounding, so that no truly
-  // feasible assignment is excluded (the bound below relies on it); the caller re-checks
-  // and repairs the answer on the exact sum.
+  // feasible assignment is excluded (the bound relies on it); the caller re-checks.
   const double core_budget = (budget - fixed_error) + 1e-12 * std::max(budget, 0.0);
-  size_t best = bins;
-  for (size_t b = 0; b <= reach; ++b)
-    if (least_error[b] <= core_budget) {
-      best = b;
-      break;
+  struct Option {
+    double estimate;
+    size_t bin;
+  };
+  std::vector<Option> options_by_bin;
+  double bound = kInf;
+  for (size_t b = 0; b <= reach; ++b) {
+    if (!(least_error[b] < kInf)) continue;
+    const double small_cost = small.lp_cost(core_budget - least_error[b]);
+    if (!(small_cost < kInf)) continue;
+    const double rounded = static_cast<double>(b) * width;
+    // The big layers cost at least rounded - (rounding per layer), and at least nothing.
+    bound = std::min(bound, big_base + std::max(0.0, rounded - static_cast<double>(big) * per_layer_rounding) +
+                                small_cost);
+    options_by_bin.push_back({big_base + rounded + small_cost, b});
+  }
+  if (options_by_bin.empty()) return out;  // rounding in the budget split: keep the incumbent
+  out.lower_bound = fixed_cost + bound;
+  // Assignments for the most promising bins: big layers from the table, small ones greedy.
+  const size_t tries = std::min<size_t>(4, options_by_bin.size());
+  std::partial_sort(options_by_bin.begin(), options_by_bin.begin() + tries, options_by_bin.end(),
+                    [](const Option& a, const Option& b) {
+                      return a.estimate != b.estimate ? a.estimate < b.estimate : a.bin < b.bin;
+                    });
+  for (size_t t = 0; t < tries; ++t) {
+    Choices choices = fixed;
+    size_t b = options_by_bin[t].bin;
+    const double room = core_budget - least_error[b];
+    for (size_t k = big; k-- > 0;) {
+      const size_t l = big_layers[k];
+      choices[l] = kept[kept_first[l] + table[k * bins + b]];
+      b -= bins_of(l, choices[l]);
     }
-  if (best == bins) return out;  // rounding in the budget split: keep the incumbent
-  // Every feasible assignment over the survivors has rounded cost >= best bins, and
-  // rounding up added less than one bin (integral costs: at most width - 1) per core layer.
-  const double per_layer_rounding = f.integral_costs ? width - 1 : width;
-  out.lower_bound = fixed_cost + base_cost + static_cast<double>(best) * width - n_core * per_layer_rounding;
-  for (size_t k = core.size(); k-- > 0;) {
-    const size_t l = core[k];
-    out.choices[l] = kept[kept_first[l] + table[k * bins + best]];
-    best -= bins_of(l, out.choices[l]);
+    small.greedy(room, choices);
+    out.candidates.push_back(choices);
+    if (small.greedy_through_break(room, choices)) out.candidates.push_back(std::move(choices));
   }
   out.ran = true;
   return out;
@@ -417,28 +549,34 @@ Solution solve(const Problem& problem, const SolverOptions& options) {
     s.feasible = false;
   } else {
     const Relaxation r = relax(f, s.budget);
-    choices = r.incumbent;
-    repair(f, choices, s.budget);
-    double cost = total_cost(f, choices);
-    // With alpha >= 1 the defaults fit the budget by definition: never answer worse.
-    if (total_error(f, defaults) <= s.budget && s.default_cost < cost) {
-      choices = defaults;
-      cost = s.default_cost;
+    // The cheapest of the relaxation's incumbents and (with alpha >= 1 they fit the budget
+    // by definition: never answer worse) the defaults.
+    std::vector<Choices> incumbents = r.incumbents;
+    incumbents.push_back(defaults);
+    double cost = std::numeric_limits<double>::infinity();
+    for (Choices& candidate : incumbents) {
+      repair(f, candidate, s.budget);
+      const double c = total_cost(f, candidate);
+      if (total_error(f, candidate) <= s.budget && c < cost) {
+        choices = candidate;
+        cost = c;
+      }
     }
     s.lower_bound = std::min(r.lower_bound, cost);
     // Refine only when the incumbent is not yet proven within tolerance: the DP's own
     // guarantee (tolerance x optimum) could not improve on it otherwise.
     if (!r.proven_optimal && cost - s.lower_bound > options.tolerance * s.lower_bound) {
-      Refinement refined = refine(f, r, cost, s.budget, options);
+      const Refinement refined = refine(f, r, choices, cost, s.budget, options);
       if (refined.ran) {
         s.core_layers = refined.core_layers;
         s.bin_width = refined.bin_width;
-        repair(f, refined.choices, s.budget);
-        const double refined_cost = total_cost(f, refined.choices);
-        if (refined_cost < cost ||
-            (refined_cost == cost && total_error(f, refined.choices) < total_error(f, choices))) {
-          choices = std::move(refined.choices);
-          cost = refined_cost;
+        for (Choices candidate : refined.candidates) {
+          repair(f, candidate, s.budget);
+          const double c = total_cost(f, candidate);
+          if (c < cost || (c == cost && total_error(f, candidate) < total_error(f, choices))) {
+            choices = std::move(candidate);
+            cost = c;
+          }
         }
         // Assignments outside the survivors cost at least the incumbent.
         s.lower_bound = std::max(s.lower_bound, std::min(refined.lower_bound, cost));

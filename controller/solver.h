@@ -1,22 +1,26 @@
 // The L-GreCo solver: a multiple-choice knapsack over layers (controller/problem.h).
 //
-// How it works (docs/CONTROLLER.md has the derivation):
+// How it works (docs/CONTROLLER.md has the details):
 //  1. Per layer, the candidates on the lower convex hull of (error, cost). Walking all hull
 //     steps across layers in order of cost saved per unit of error spent solves the LP
 //     relaxation exactly: its value is a lower bound on the optimum, its break-point slope
-//     is the Lagrange multiplier lambda, and the integer part of the walk (continued
-//     greedily past the break) is a feasible incumbent.
-//  2. Lagrangian reduction: a candidate whose reduced cost s + lambda*e - min_c(s + lambda*e)
-//     exceeds (incumbent - lower bound) cannot be in any assignment cheaper than the
-//     incumbent. On real instances this fixes all but a few dozen "core" layers.
-//  3. A dynamic programme over the core layers with the cost axis discretised (bins of
-//     width Delta, each candidate's extra cost rounded up) and the errors kept exact:
-//     for each cost bin, the least total error. Its answer is feasible on the exact
-//     errors, and costs at most (core layers x Delta) more than the optimum; Delta is
-//     chosen so that this is at most SolverOptions::tolerance of the optimum. (The
-//     reference's DP discretises the error axis instead, which rounds every error up and
-//     leaves budget unused: 6.5% at 1,000 layers, docs/CONTROLLER.md.)
-//  4. The result is re-checked on the undiscretised errors, repaired if floating-point
+//     is the Lagrange multiplier lambda, and two greedy walks (one stopping before the
+//     break step, one taking it and undoing cheaper steps) give feasible incumbents; so
+//     do the defaults when alpha >= 1.
+//  2. Unless the best incumbent is already proven within the tolerance: Lagrangian
+//     reduction. A candidate whose reduced cost s + lambda*e - min_c(s + lambda*e) exceeds
+//     (incumbent - lower bound) cannot be in any assignment cheaper than the incumbent;
+//     layers left with one candidate are fixed.
+//  3. The remaining "core" layers are split. The few with the widest cost ranges go into
+//     a dynamic programme over a discretised cost axis (bins of width Delta, each
+//     candidate's extra cost rounded up, errors exact: per bin the least error); the rest
+//     stay relaxed (their LP optimum as a function of the error they are left) and are
+//     filled greedily. The split is chosen to minimise the proven loss of both (rounding:
+//     at most one bin per DP layer; greedy: at most one relaxed layer's range) within the
+//     table's cap, and Delta no finer than the tolerance needs. Because errors are never
+//     rounded, no budget is wasted, unlike the reference's DP over an error axis of
+//     10,000 bins (7% of the budget unused at 1,000 layers, docs/PERF.md).
+//  4. Every answer is re-checked on the undiscretised errors, repaired if floating-point
 //     rounding made it infeasible, then improved greedily with any budget left.
 //
 // Deterministic: one thread, no unordered containers, total orders with index tie-breaks

@@ -25,7 +25,8 @@ const char kUsage[] = R"(usage: lgreco-solve-bench [--reps R] [--seed S]
 
 Times the L-GreCo solver (lgreco-solve's) on synthetic quantization problems (layers with
 log-uniform sizes, candidates quant bits 2..8, errors from the stochastic-rounding model,
-default 4 bits) and on problems with random sizes and errors, on one core. Per row: the
+default 4 bits; "lumpy": 1% of the layers 300x larger, the hardest case found) and on
+problems with random sizes and errors, on one core. Per row: the
 median solve time, bytes relative to the uniform default, the distance to the proven
 lower bound (LP/Lagrangian and DP), and the reference's error-binned DP (10,000 bins,
 errors rounded up) in the same run: its time, its bytes relative to ours and the share
@@ -75,6 +76,24 @@ ReferenceResult reference_dp(const controller::Problem& p, double budget, uint32
     b -= static_cast<uint32_t>(std::ceil(p.layers[l].candidates[c].error / width));
   }
   return r;
+}
+
+// A quantization instance where 1% of the layers are 300x larger: the LP's fractional
+// layer is then a big one, its bound is loose, and the DP has to work (the worst case
+// found for the solver's time).
+controller::Problem lumpy_instance(uint32_t layers, uint64_t seed) {
+  tools::QuantInstanceShape shape;
+  shape.layers = layers;
+  shape.uncompressed_fraction = 0;
+  controller::Problem p = tools::quant_instance(shape, seed);
+  std::mt19937_64 rng(seed ^ 0x6c756d70);
+  for (auto& layer : p.layers)
+    if (rng() % 100 == 0)
+      for (auto& c : layer.candidates) {
+        c.bytes *= 300;
+        c.error *= 300;
+      }
+  return p;
 }
 
 // Layers with random sizes and errors: no structure for the reduction to exploit.
@@ -128,7 +147,8 @@ int run(int argc, char** argv) {
     double target_ms;
   };
   const Row rows[] = {{"quant", 100, 1.0, 0},    {"quant", 1000, 1.0, 20}, {"quant", 1000, 0.8, 20},
-                      {"quant", 1000, 1.25, 20}, {"quant", 10000, 1.0, 0}, {"random", 1000, 1.0, 20},
+                      {"quant", 1000, 1.25, 20}, {"quant", 10000, 1.0, 0}, {"quant", 30, 1.0, 0},
+                      {"lumpy", 1000, 1.0, 20},  {"lumpy", 1000, 0.8, 20},  {"random", 1000, 1.0, 20},
                       {"random", 100, 1.0, 0}};
   for (const Row& row : rows) {
     controller::Problem p;
@@ -137,6 +157,8 @@ int run(int argc, char** argv) {
       shape.layers = row.layers;
       shape.uncompressed_fraction = 0;  // exactly layers x 7 candidates
       p = tools::quant_instance(shape, seed);
+    } else if (std::string(row.kind) == "lumpy") {
+      p = lumpy_instance(row.layers, seed);
     } else {
       p = random_instance(row.layers, 7, seed);
     }
