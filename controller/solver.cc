@@ -435,8 +435,9 @@ Refinement refine(const Flat& f, const Relaxation& r, const Choices& incumbent, 
       width = w;
     }
   }
-  // No finer than the tolerance needs: (tolerance x bound - small loss) over k layers.
-  if (big > 0) {
+  // No finer than the tolerance needs, (tolerance x bound - small loss) over k layers,
+  // unless the finest table is small anyway (then small problems come out exact).
+  if (big > 0 && static_cast<double>(big) * (big_range / width + static_cast<double>(big) + 1) > 65536) {
     const double small_loss = big < by_range.size() ? range(by_range[big]) : 0.0;
     const double target = (options.tolerance * std::max(r.lower_bound, 0.0) - small_loss) / static_cast<double>(big);
     if (target > width) width = f.integral_costs ? std::max(1.0, std::floor(target)) : target;

@@ -245,6 +245,17 @@ BOOST_AUTO_TEST_CASE(solve_answers_a_problem_file_as_the_library_does) {
   BOOST_TEST(nlohmann::json::parse(piped.output).at("choices") == out.at("choices"));
 }
 
+BOOST_AUTO_TEST_CASE(solve_answers_the_readme_example) {
+  const auto r = test::run_command(solve_tool() + " " + test::env_or("LGRECO_SOURCE_DIR", ".") +
+                                   "/controller/examples/small.json");
+  BOOST_REQUIRE_MESSAGE(r.exit_code == 0, r.output);
+  const auto out = nlohmann::json::parse(r.output);
+  BOOST_TEST(out.at("choices").get<std::vector<uint32_t>>() == std::vector<uint32_t>({2, 0, 0}));
+  BOOST_TEST(out.at("bytes").get<uint64_t>() == 541480u);
+  BOOST_TEST(out.at("default_bytes").get<uint64_t>() == 1048776u);
+  BOOST_TEST(out.at("gap").get<double>() == 0.0);  // proven optimal
+}
+
 BOOST_AUTO_TEST_CASE(solve_rejects_malformed_problems_naming_the_field) {
   test::TempDir dir;
   struct Case {
