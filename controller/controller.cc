@@ -86,11 +86,10 @@ void Controller::submit(uint64_t window_last_step, ErrorStats aggregated) {
   if (!schedule_.window_ends(window_last_step))
     throw std::invalid_argument("Controller::submit: step " + std::to_string(window_last_step) +
                                 " does not end a measurement window");
-  const ErrorStats shape = new_stats();
-  if (aggregated.layers() != shape.layers() || aggregated.metric() != shape.metric())
+  if (aggregated.layers() != layers_.size() || aggregated.metric() != settings_.metric)
     throw std::invalid_argument("Controller::submit: statistics of another shape or metric");
-  for (size_t l = 0; l < shape.layers(); ++l)
-    if (aggregated.candidates(l) != shape.candidates(l))
+  for (size_t l = 0; l < layers_.size(); ++l)
+    if (aggregated.candidates(l) != layers_[l].candidates.size())
       throw std::invalid_argument("Controller::submit: statistics of another shape (layer " + std::to_string(l) + ")");
   const uint64_t epoch = ++submitted_;
   const uint64_t effective = schedule_.effective_step(window_last_step);
@@ -183,9 +182,16 @@ std::shared_ptr<const Assignment> Controller::solve_job(const Job& job) {
     solution = solve_(problem, settings_.solver);
   } catch (const std::exception& e) {
     // Deterministic inputs fail identically on every rank, so all keep their assignment.
-    LGRECO_WARN("CTRL", "solving epoch %llu failed: %s; keeping the current assignment", ull(job.epoch), e.what());
-    std::lock_guard<std::mutex> lock(mutex_);
-    ++counters_.failed_solves;
+    // One WARN per controller; later failures at INFO.
+    bool first;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      first = counters_.failed_solves++ == 0;
+    }
+    if (first)
+      LGRECO_WARN("CTRL", "solving epoch %llu failed: %s; keeping the current assignment", ull(job.epoch), e.what());
+    else
+      LGRECO_INFO("CTRL", "solving epoch %llu failed: %s; keeping the current assignment", ull(job.epoch), e.what());
     return nullptr;
   }
   const double solve_ms = ms_since(start);

@@ -88,10 +88,10 @@ class Controller {
   void stop();
 
   struct Counters {
-    uint64_t solves = 0;       // finished
+    uint64_t solves = 0;  // finished
     uint64_t failed_solves = 0;
-    uint64_t waits = 0;        // switch steps that had to wait
-    double wait_ms = 0;        // total waited
+    uint64_t waits = 0;  // switch steps that had to wait
+    double wait_ms = 0;  // total waited
     double last_solve_ms = 0;
   };
   Counters counters() const;

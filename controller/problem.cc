@@ -95,8 +95,8 @@ void validate(const Problem& problem) {
       throw ProblemError(label + ".name: duplicate layer name '" + layer.name + "'");
     if (layer.candidates.empty()) throw ProblemError(label + ".candidates: empty; a layer needs at least one");
     if (layer.candidates.size() > kMaxCandidatesPerLayer)
-      throw ProblemError(label + ".candidates: " + std::to_string(layer.candidates.size()) +
-                         " candidates; at most " + std::to_string(kMaxCandidatesPerLayer));
+      throw ProblemError(label + ".candidates: " + std::to_string(layer.candidates.size()) + " candidates; at most " +
+                         std::to_string(kMaxCandidatesPerLayer));
     if (layer.default_index >= layer.candidates.size())
       throw ProblemError(label + ".default: " + std::to_string(layer.default_index) + " is out of range (" +
                          std::to_string(layer.candidates.size()) + " candidates)");

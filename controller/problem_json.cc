@@ -20,8 +20,8 @@ std::string join(const std::string& path, std::string_view key) {
 std::string shown(const json& value) { return value.dump(); }
 
 void check_object(const json& value, const std::string& path) {
-  if (!value.is_object()) throw ProblemError((path.empty() ? "the document" : path) + ": expected an object, got " +
-                                             value.type_name());
+  if (!value.is_object())
+    throw ProblemError((path.empty() ? "the document" : path) + ": expected an object, got " + value.type_name());
 }
 
 void check_keys(const json& object, const std::string& path, std::initializer_list<std::string_view> allowed) {

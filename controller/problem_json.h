@@ -22,7 +22,7 @@ std::string solution_json(const Problem& problem, const Solution& solution, doub
 
 // What one decision-log line records besides the solution.
 struct DecisionContext {
-  uint64_t epoch = 0;           // 1 for the first solved assignment
+  uint64_t epoch = 0;            // 1 for the first solved assignment
   uint64_t stats_last_step = 0;  // last step of the measurement window
   uint64_t effective_step = 0;   // first step that uses the assignment
   uint64_t samples = 0;          // (step, rank) samples per layer behind the errors

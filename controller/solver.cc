@@ -203,8 +203,7 @@ class HullWalk {
  public:
   // layers: global layer indices; candidates_of(l, list) fills the candidates layer l may use.
   template <typename CandidatesOf>
-  HullWalk(const Flat& f, std::vector<uint32_t> layers, CandidatesOf candidates_of)
-      : layers_(std::move(layers)) {
+  HullWalk(const Flat& f, std::vector<uint32_t> layers, CandidatesOf candidates_of) : layers_(std::move(layers)) {
     std::vector<uint32_t> list;
     hull_first_.push_back(0);
     for (uint32_t j = 0; j < layers_.size(); ++j) {
@@ -247,8 +246,7 @@ class HullWalk {
   // The first step that does not fit in `room` (step_count() when all fit).
   size_t break_at(double room) const {
     const double r = room - start_error_;
-    return static_cast<size_t>(std::upper_bound(cum_extra_.begin() + 1, cum_extra_.end(), r) - cum_extra_.begin()) -
-           1;
+    return static_cast<size_t>(std::upper_bound(cum_extra_.begin() + 1, cum_extra_.end(), r) - cum_extra_.begin()) - 1;
   }
 
   // The LP optimum of these layers within `room` error; +inf below least_error().
@@ -370,8 +368,8 @@ struct Refinement {
   bool ran = false;
 };
 
-Refinement refine(const Flat& f, const Relaxation& r, const Choices& incumbent, double incumbent_cost,
-                  double budget, const SolverOptions& options) {
+Refinement refine(const Flat& f, const Relaxation& r, const Choices& incumbent, double incumbent_cost, double budget,
+                  const SolverOptions& options) {
   const size_t layers = f.layers();
   Refinement out;
   if (!std::isfinite(r.lambda)) return out;
@@ -502,8 +500,8 @@ Refinement refine(const Flat& f, const Relaxation& r, const Choices& incumbent, 
     if (!(small_cost < kInf)) continue;
     const double rounded = static_cast<double>(b) * width;
     // The big layers cost at least rounded - (rounding per layer), and at least nothing.
-    bound = std::min(bound, big_base + std::max(0.0, rounded - static_cast<double>(big) * per_layer_rounding) +
-                                small_cost);
+    bound =
+        std::min(bound, big_base + std::max(0.0, rounded - static_cast<double>(big) * per_layer_rounding) + small_cost);
     options_by_bin.push_back({big_base + rounded + small_cost, b});
   }
   if (options_by_bin.empty()) return out;  // rounding in the budget split: keep the incumbent

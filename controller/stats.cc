@@ -36,14 +36,13 @@ ErrorStats::ErrorStats(std::vector<uint32_t> candidates_per_layer, ErrorMetric m
 
 bool ErrorStats::add(size_t layer, std::span<const double> squared_errors) {
   if (layer >= layers())
-    throw std::invalid_argument("ErrorStats::add: layer " + std::to_string(layer) + " of " +
-                                std::to_string(layers()));
+    throw std::invalid_argument("ErrorStats::add: layer " + std::to_string(layer) + " of " + std::to_string(layers()));
   if (squared_errors.size() != candidates(layer))
     throw std::invalid_argument("ErrorStats::add: layer " + std::to_string(layer) + " measures " +
                                 std::to_string(candidates(layer)) + " candidates, got " +
                                 std::to_string(squared_errors.size()));
-  const bool usable = std::all_of(squared_errors.begin(), squared_errors.end(),
-                                  [](double e) { return std::isfinite(e) && e >= 0; });
+  const bool usable =
+      std::all_of(squared_errors.begin(), squared_errors.end(), [](double e) { return std::isfinite(e) && e >= 0; });
   if (!usable) {
     data_[samples_offset_ + layers() + layer] += 1;
     return false;
@@ -63,9 +62,7 @@ void ErrorStats::merge(const ErrorStats& other) {
 
 void ErrorStats::clear() { std::fill(data_.begin(), data_.end(), 0.0); }
 
-uint64_t ErrorStats::samples(size_t layer) const {
-  return static_cast<uint64_t>(data_[samples_offset_ + layer]);
-}
+uint64_t ErrorStats::samples(size_t layer) const { return static_cast<uint64_t>(data_[samples_offset_ + layer]); }
 
 uint64_t ErrorStats::skipped(size_t layer) const {
   return static_cast<uint64_t>(data_[samples_offset_ + layers() + layer]);

@@ -105,8 +105,8 @@ controller::Problem random_instance(uint32_t layers, uint32_t candidates, uint64
     controller::Layer layer;
     layer.name = "layer" + std::to_string(l);
     for (uint32_t c = 0; c < candidates; ++c)
-      layer.candidates.push_back({"quant:bits=" + std::to_string(c + 2),
-                                  static_cast<uint64_t>(1000 + unit(rng) * 1e6), unit(rng) * 100});
+      layer.candidates.push_back(
+          {"quant:bits=" + std::to_string(c + 2), static_cast<uint64_t>(1000 + unit(rng) * 1e6), unit(rng) * 100});
     layer.default_index = candidates / 2;
     p.layers.push_back(std::move(layer));
   }
@@ -135,8 +135,9 @@ int run(int argc, char** argv) {
   printf("# cpu: %s; one thread; median of %d reps; seed %llu; tolerance %.3g\n", bench::cpu_model().c_str(), reps,
          static_cast<unsigned long long>(seed), controller::SolverOptions{}.tolerance);
   printf("# bytes/def: chosen bytes / uniform default bytes; gap: (bytes - proven lower bound) / bound\n");
-  printf("# ref: the reference's error-binned DP (10,000 bins); ref/ours: its bytes / ours; "
-         "unused: budget share it left\n");
+  printf(
+      "# ref: the reference's error-binned DP (10,000 bins); ref/ours: its bytes / ours; "
+      "unused: budget share it left\n");
   printf("%-10s %6s %5s %5s %9s %7s %9s %9s %5s %9s %8s %7s\n", "instance", "layers", "cands", "alpha", "solve_ms",
          "target", "bytes/def", "gap", "core", "ref_ms", "ref/ours", "unused");
 
@@ -148,7 +149,7 @@ int run(int argc, char** argv) {
   };
   const Row rows[] = {{"quant", 100, 1.0, 0},    {"quant", 1000, 1.0, 20}, {"quant", 1000, 0.8, 20},
                       {"quant", 1000, 1.25, 20}, {"quant", 10000, 1.0, 0}, {"quant", 30, 1.0, 0},
-                      {"lumpy", 1000, 1.0, 20},  {"lumpy", 1000, 0.8, 20},  {"random", 1000, 1.0, 20},
+                      {"lumpy", 1000, 1.0, 20},  {"lumpy", 1000, 0.8, 20}, {"random", 1000, 1.0, 20},
                       {"random", 100, 1.0, 0}};
   for (const Row& row : rows) {
     controller::Problem p;
@@ -166,7 +167,8 @@ int run(int argc, char** argv) {
     controller::Solution s;
     const double t = bench::median_seconds(reps, [&] { s = controller::solve(p); });
     char target[16] = "-";
-    if (row.target_ms > 0) snprintf(target, sizeof target, "%.0f%s", row.target_ms, t * 1e3 <= row.target_ms ? "" : "!");
+    if (row.target_ms > 0)
+      snprintf(target, sizeof target, "%.0f%s", row.target_ms, t * 1e3 <= row.target_ms ? "" : "!");
     printf("%-10s %6u %5u %5.2f %9.3f %7s %9.4f %9.2e %5u", row.kind, row.layers, 7u, row.alpha, t * 1e3, target,
            static_cast<double>(s.bytes) / static_cast<double>(s.default_bytes), controller::relative_gap(s),
            s.core_layers);
@@ -178,8 +180,9 @@ int run(int argc, char** argv) {
       printf(" %9s %8s %7s\n", "-", "-", "-");
     }
   }
-  printf("# target (issue 3): 1,000 layers x 7 candidates in <= 20 ms on one core within 0.5%% of the optimum; "
-         "'!' marks a miss\n");
+  printf(
+      "# target (issue 3): 1,000 layers x 7 candidates in <= 20 ms on one core within 0.5%% of the optimum; "
+      "'!' marks a miss\n");
   return 0;
 }
 

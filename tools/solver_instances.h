@@ -36,9 +36,9 @@ inline controller::Problem quant_instance(const QuantInstanceShape& shape, uint6
     controller::Layer layer;
     layer.name = "layer" + std::to_string(l);
     const bool uncompressed = unit(rng) < shape.uncompressed_fraction;
-    layer.numel = uncompressed ? 64 + static_cast<uint64_t>(unit(rng) * 4096)
-                               : static_cast<uint64_t>(shape.min_numel *
-                                                       std::pow(shape.max_numel / shape.min_numel, unit(rng)));
+    layer.numel = uncompressed
+                      ? 64 + static_cast<uint64_t>(unit(rng) * 4096)
+                      : static_cast<uint64_t>(shape.min_numel * std::pow(shape.max_numel / shape.min_numel, unit(rng)));
     if (uncompressed) {
       layer.candidates.push_back({"none", 4 * layer.numel, 0.0});
     } else {
@@ -47,8 +47,7 @@ inline controller::Problem quant_instance(const QuantInstanceShape& shape, uint6
         const double levels = std::ldexp(1.0, static_cast<int>(b)) - 1;
         const double jitter = 0.95 + 0.1 * unit(rng);
         const double error = static_cast<double>(layer.numel) * sigma * sigma / (levels * levels) * jitter;
-        layer.candidates.push_back(
-            {"quant:bits=" + std::to_string(b), quant_encoded_bytes(layer.numel, b), error});
+        layer.candidates.push_back({"quant:bits=" + std::to_string(b), quant_encoded_bytes(layer.numel, b), error});
         if (b == shape.default_bits) layer.default_index = b - shape.min_bits;
       }
     }

@@ -1,6 +1,8 @@
 // The controller's thread, schedule and hand-over, over simulated training steps on
 // several ranks. Also built alone under ThreadSanitizer (make test-tsan), so it uses
 // nothing but controller/ and config/.
+#include "controller/controller.h"
+
 #include <dirent.h>
 
 #include <boost/test/unit_test.hpp>
@@ -14,7 +16,6 @@
 #include <thread>
 #include <vector>
 
-#include "controller/controller.h"
 #include "tests/unit/test_util.h"
 #include "tools/solver_instances.h"
 

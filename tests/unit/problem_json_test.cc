@@ -1,9 +1,9 @@
 // The problem file lgreco-solve reads, the answer it prints and the decision-log line.
+#include "controller/problem_json.h"
+
 #include <boost/test/unit_test.hpp>
 #include <nlohmann/json.hpp>
 #include <string>
-
-#include "controller/problem_json.h"
 
 namespace lgreco {
 namespace {
@@ -62,7 +62,8 @@ BOOST_AUTO_TEST_CASE(malformed_input_names_the_field) {
   struct Case {
     std::string text, expected;
   };
-  const std::string layer = R"({"name": "fc", "default": 0, "candidates": [{"codec": "quant", "bytes": 8, "error": 1}]})";
+  const std::string layer =
+      R"({"name": "fc", "default": 0, "candidates": [{"codec": "quant", "bytes": 8, "error": 1}]})";
   auto with_candidate = [](const std::string& candidate) {
     return R"({"layers": [{"name": "fc", "default": 0, "candidates": [)" + candidate + "]}]}";
   };
@@ -92,8 +93,10 @@ BOOST_AUTO_TEST_CASE(malformed_input_names_the_field) {
        "layers[0] (fc).candidates[0].error: null; expected a finite number >= 0"},
       {with_candidate(R"({"codec": "quant", "bytes": 8, "error": -0.5})"),
        "layers[0] (fc).candidates[0].error: -0.5; expected a finite number >= 0"},
-      {with_candidate(R"({"codec": "quant", "bytes": 8, "error": 1e400})"), "not valid JSON: number overflow parsing '1e400'"},
-      {with_candidate(R"({"codec": 4, "bytes": 8, "error": 1})"), "layers[0] (fc).candidates[0].codec: 4; expected a string"},
+      {with_candidate(R"({"codec": "quant", "bytes": 8, "error": 1e400})"),
+       "not valid JSON: number overflow parsing '1e400'"},
+      {with_candidate(R"({"codec": 4, "bytes": 8, "error": 1})"),
+       "layers[0] (fc).candidates[0].codec: 4; expected a string"},
       {with_candidate(R"({"codec": "q", "bytes": 8, "error": 1, "bytes": 9})"), "duplicate key \"bytes\""},
       {with_candidate(R"({"codec": "q", "bytes": 8, "eror": 1})"), "layers[0] (fc).candidates[0].eror: unknown key"},
       {R"({"layers": [{"name": "fc", "default": 3, "candidates": [{"codec": "q", "bytes": 8, "error": 1}]}]})",

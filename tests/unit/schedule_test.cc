@@ -1,11 +1,12 @@
 // When the controller measures, solves and switches, over simulated step sequences.
+#include "controller/schedule.h"
+
 #include <boost/test/unit_test.hpp>
 #include <random>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
-#include "controller/schedule.h"
 #include "controller/stats.h"
 #include "tests/unit/test_util.h"
 
@@ -44,7 +45,7 @@ BOOST_AUTO_TEST_CASE(random_settings_keep_every_rule) {
     BOOST_TEST_CONTEXT("warmup " << set.warmup << " period " << set.period << " window " << set.window << " lag "
                                  << set.switch_lag) {
       BOOST_TEST(!s.measures(0));  // never DDP's first, pre-rebuild step
-      uint64_t measured = 0;  // measured steps since the previous window ended
+      uint64_t measured = 0;       // measured steps since the previous window ended
       std::vector<uint64_t> switches, ends;
       for (uint64_t step = 0; step < 400; ++step) {
         if (s.measures(step)) ++measured;
@@ -156,7 +157,8 @@ BOOST_AUTO_TEST_CASE(summing_reduction_buffers_across_ranks_equals_merging) {
   // What the engine's allreduce does: elementwise sums of the flat buffers.
   controller::ErrorStats allreduced(shape, controller::ErrorMetric::kSquaredL2);
   for (const auto& r : ranks)
-    for (size_t i = 0; i < r.reduction_buffer().size(); ++i) allreduced.reduction_buffer()[i] += r.reduction_buffer()[i];
+    for (size_t i = 0; i < r.reduction_buffer().size(); ++i)
+      allreduced.reduction_buffer()[i] += r.reduction_buffer()[i];
   controller::ErrorStats merged(shape, controller::ErrorMetric::kSquaredL2);
   for (const auto& r : ranks) merged.merge(r);
   BOOST_TEST(allreduced.samples(0) == 20u);

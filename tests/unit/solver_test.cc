@@ -1,5 +1,7 @@
 // The L-GreCo solver against exhaustive search, an independently computed Lagrangian
 // bound, and itself (determinism).
+#include "controller/solver.h"
+
 #include <boost/test/unit_test.hpp>
 #include <cmath>
 #include <cstring>
@@ -8,7 +10,6 @@
 #include <random>
 #include <thread>
 
-#include "controller/solver.h"
 #include "tests/unit/test_util.h"
 #include "tools/solver_instances.h"
 
@@ -318,8 +319,8 @@ BOOST_AUTO_TEST_CASE(time_objective_drops_compression_where_it_does_not_pay) {
 
   p.objective = Objective::kTime;
   const Solution by_time = controller::solve(p);
-  BOOST_TEST(by_time.choices == std::vector<uint32_t>({0, 1}));  // same error budget, less time
-  const double expected = (0 + 4000 / 1.25e9) +                                     // small: none
+  BOOST_TEST(by_time.choices == std::vector<uint32_t>({0, 1}));                       // same error budget, less time
+  const double expected = (0 + 4000 / 1.25e9) +                                       // small: none
                           (5e-6 + quant_bytes(10000000) / 1.25e9 + 10000000 / 1e10);  // big: quant
   BOOST_TEST(std::abs(by_time.cost - expected) <= 1e-15 * expected);
   BOOST_TEST(by_time.cost < by_time.default_cost);
@@ -361,8 +362,7 @@ BOOST_AUTO_TEST_CASE(golden_answer_is_the_same_on_every_machine) {
       for (uint32_t bits = 2; bits <= 8; ++bits) {
         const double levels = static_cast<double>((1u << bits) - 1);
         const double jitter = static_cast<double>(950 + next() % 101) / 1000.0;
-        layer.candidates.push_back({"quant:bits=" + std::to_string(bits),
-                                    tools::quant_encoded_bytes(layer.numel, bits),
+        layer.candidates.push_back({"quant:bits=" + std::to_string(bits), tools::quant_encoded_bytes(layer.numel, bits),
                                     static_cast<double>(layer.numel) * scale / (levels * levels) * jitter});
       }
       p.layers.push_back(std::move(layer));
@@ -374,7 +374,8 @@ BOOST_AUTO_TEST_CASE(golden_answer_is_the_same_on_every_machine) {
     uint64_t hash, bytes;
     bool refined;  // the instance exercises the DP refinement
   };
-  for (const Golden& g : {Golden{400, 0x62df170147b6837dull, 198019984, false}, Golden{12, 0x5c067ae03ffd6798ull, 5409316, true}}) {
+  for (const Golden& g :
+       {Golden{400, 0x62df170147b6837dull, 198019984, false}, Golden{12, 0x5c067ae03ffd6798ull, 5409316, true}}) {
     const Solution s = controller::solve(instance(g.layers, 20261130));
     uint64_t hash = 0xcbf29ce484222325ull;  // FNV-1a over the choices
     for (uint32_t c : s.choices) hash = (hash ^ c) * 0x100000001b3ull;
