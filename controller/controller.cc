@@ -22,7 +22,8 @@ double ms_since(std::chrono::steady_clock::time_point start) {
 
 unsigned long long ull(uint64_t v) { return v; }
 
-// The layers as a problem with zero errors: validates names, defaults and counts once.
+// The layers as a problem: validates names, defaults, counts and the placeholder
+// errors (finite, >= 0) once; the statistics replace the errors at every solve.
 std::vector<Layer> validated(std::vector<Layer> layers, const ControllerSettings& settings) {
   Problem p;
   p.alpha = settings.alpha;
@@ -61,6 +62,7 @@ void Controller::stop() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stopping_ = true;
+    stopped_.store(true, std::memory_order_relaxed);
   }
   work_ready_.notify_all();
   result_ready_.notify_all();
@@ -102,6 +104,7 @@ void Controller::submit(uint64_t window_last_step, ErrorStats aggregated) {
 }
 
 std::shared_ptr<const Assignment> Controller::assignment_for_step(uint64_t step) {
+  if (stopped_.load(std::memory_order_relaxed)) return current_;  // no switches after stop()
   while (!switches_.empty() && step >= switches_.front().second) {
     const uint64_t epoch = switches_.front().first;
     switches_.pop_front();
@@ -175,26 +178,36 @@ Problem Controller::problem_from(const ErrorStats& stats) const {
 }
 
 std::shared_ptr<const Assignment> Controller::solve_job(const Job& job) {
+  try {
+    return solve_and_log(job);
+  } catch (const std::exception& e) {
+    return failed(job, e.what());
+  } catch (...) {
+    return failed(job, "an unknown exception");
+  }
+}
+
+std::shared_ptr<const Assignment> Controller::failed(const Job& job, const char* what) {
+  // Deterministic inputs fail identically on every rank, so all keep their assignment.
+  // One WARN per controller; later failures at INFO.
+  bool first;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    first = counters_.failed_solves++ == 0;
+  }
+  if (first)
+    LGRECO_WARN("CTRL", "solving epoch %llu failed: %s; keeping the current assignment", ull(job.epoch), what);
+  else
+    LGRECO_INFO("CTRL", "solving epoch %llu failed: %s; keeping the current assignment", ull(job.epoch), what);
+  return nullptr;
+}
+
+std::shared_ptr<const Assignment> Controller::solve_and_log(const Job& job) {
   const Problem problem = problem_from(job.stats);
   const auto start = std::chrono::steady_clock::now();
-  Solution solution;
-  try {
-    solution = solve_(problem, settings_.solver);
-  } catch (const std::exception& e) {
-    // Deterministic inputs fail identically on every rank, so all keep their assignment.
-    // One WARN per controller; later failures at INFO.
-    bool first;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      first = counters_.failed_solves++ == 0;
-    }
-    if (first)
-      LGRECO_WARN("CTRL", "solving epoch %llu failed: %s; keeping the current assignment", ull(job.epoch), e.what());
-    else
-      LGRECO_INFO("CTRL", "solving epoch %llu failed: %s; keeping the current assignment", ull(job.epoch), e.what());
-    return nullptr;
-  }
+  Solution solution = solve_(problem, settings_.solver);
   const double solve_ms = ms_since(start);
+  if (solution.choices.size() != layers_.size()) throw std::logic_error("the solver answered for other layers");
 
   auto assignment = std::make_shared<Assignment>();
   assignment->epoch = job.epoch;

@@ -20,6 +20,7 @@
 // destructor) stop and join the solver thread; no thread outlives the Controller.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <cstdio>
@@ -62,9 +63,9 @@ class Controller {
  public:
   using SolveFunction = std::function<Solution(const Problem&, const SolverOptions&)>;
 
-  // layers: every layer with its candidates (codec spec and bytes; errors are ignored and
-  // come from the statistics) and default. Throws std::invalid_argument (ProblemError)
-  // on invalid settings or layers. `solve` replaces the solver (tests).
+  // layers: every layer with its candidates (codec spec and bytes; each error must be a
+  // finite placeholder >= 0, such as 0: the statistics replace it) and default. Throws std::invalid_argument
+  // (ProblemError) on invalid settings or layers. `solve` replaces the solver (tests).
   Controller(ControllerSettings settings, std::vector<Layer> layers, SolveFunction solve = {});
   ~Controller();
   Controller(const Controller&) = delete;
@@ -83,8 +84,9 @@ class Controller {
   // summed across ranks. Never waits for a solve.
   void submit(uint64_t window_last_step, ErrorStats aggregated);
 
-  // Stops the solver thread (an unfinished solve completes first) and joins it. Later
-  // calls keep the current assignment. Idempotent.
+  // Stops the solver thread (an unfinished solve completes first; queued ones are
+  // dropped) and joins it. Later calls of assignment_for_step() return the current
+  // assignment and switch no more. Idempotent.
   void stop();
 
   struct Counters {
@@ -108,7 +110,9 @@ class Controller {
 
   void run();
   Problem problem_from(const ErrorStats& stats) const;
-  std::shared_ptr<const Assignment> solve_job(const Job& job);
+  std::shared_ptr<const Assignment> solve_job(const Job& job);  // never throws
+  std::shared_ptr<const Assignment> solve_and_log(const Job& job);
+  std::shared_ptr<const Assignment> failed(const Job& job, const char* what);
 
   const ControllerSettings settings_;
   const Schedule schedule_;
@@ -121,6 +125,7 @@ class Controller {
   std::deque<std::pair<uint64_t, uint64_t>> switches_;  // (epoch, effective step), in order
   uint64_t submitted_ = 0;
   bool warned_wait_ = false;
+  std::atomic<bool> stopped_{false};  // set by stop(); read by assignment_for_step()
 
   // Shared with the solver thread.
   mutable std::mutex mutex_;

@@ -1,5 +1,6 @@
 #include "controller/problem.h"
 
+#include <algorithm>
 #include <cmath>
 #include <set>
 
@@ -88,6 +89,7 @@ void validate(const Problem& problem) {
   require(std::isfinite(problem.alpha) && problem.alpha >= 0, "alpha", problem.alpha, "a finite number >= 0");
   if (problem.objective == Objective::kTime) validate_cost_model(problem.cost_model);
   std::set<std::string_view> names;
+  double largest_errors = 0;  // the largest total error any assignment can have
   for (size_t l = 0; l < problem.layers.size(); ++l) {
     const Layer& layer = problem.layers[l];
     const std::string label = layer_label(problem, l);
@@ -112,8 +114,23 @@ void validate(const Problem& problem) {
           problem.cost_model.for_family(codec_family(candidate.codec)).throughput > 0)
         throw ProblemError(label + ".numel: missing; the time objective models codec throughput for '" +
                            candidate.codec + "' and needs the layer's element count");
+      if (problem.objective == Objective::kTime) {
+        const double t = problem.cost_model.seconds(codec_family(candidate.codec), candidate.bytes, layer.numel);
+        if (!std::isfinite(t) || t > 1e100)
+          throw ProblemError(field + ": predicted time " + number_text(t) +
+                             " s is out of range; check cost_model's bandwidth and throughput");
+      }
     }
+    double largest = 0;
+    for (const Candidate& c : layer.candidates) largest = std::max(largest, c.error);
+    largest_errors += largest;
   }
+  // Totals are summed in doubles; they must stay finite, with room for alpha.
+  if (!(largest_errors <= 1e300))
+    throw ProblemError("layers: the errors are too large (their total exceeds 1e300); scale them down");
+  if (!(problem.alpha * largest_errors <= 1e300))
+    throw ProblemError("alpha: " + number_text(problem.alpha) +
+                       " times the total error overflows; expected a smaller alpha");
 }
 
 }  // namespace lgreco::controller

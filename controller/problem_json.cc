@@ -225,6 +225,10 @@ namespace {
 // Output keeps a reading order (ordered_json), input does not need one.
 using ordered = nlohmann::ordered_json;
 
+// One line; bytes that are not UTF-8 in a layer name or codec become U+FFFD instead of
+// an exception on the solver thread.
+std::string dump(const ordered& value) { return value.dump(-1, ' ', false, ordered::error_handler_t::replace); }
+
 ordered summary(const Problem& problem, const Solution& s) {
   ordered out = ordered::object();
   out["objective"] = objective_name(problem.objective);
@@ -252,7 +256,7 @@ std::string solution_json(const Problem& problem, const Solution& solution, doub
   const ordered totals = summary(problem, solution);
   for (const auto& item : totals.items()) out[item.key()] = item.value();
   out["solve_ms"] = solve_ms;
-  return out.dump();
+  return dump(out);
 }
 
 std::string decision_json(const DecisionContext& context, const Problem& problem, const Solution& solution,
@@ -271,7 +275,7 @@ std::string decision_json(const DecisionContext& context, const Problem& problem
     layers.push_back({{"name", problem.layers[l].name}, {"codec", c.codec}, {"bytes", c.bytes}, {"error", c.error}});
   }
   out["layers"] = std::move(layers);
-  return out.dump();
+  return dump(out);
 }
 
 }  // namespace lgreco::controller

@@ -4,6 +4,8 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <stdexcept>
+#include <string>
 
 #include "kernels/cpu_dispatch.h"
 
@@ -36,6 +38,7 @@ struct Flat {
   std::vector<double> cost;
   std::vector<double> error;
   bool integral_costs = false;  // byte counts: rounding to whole bins can be exact
+  int error_shift = 0;          // errors here are the problem's times 2^error_shift
 
   size_t layers() const { return first.size() - 1; }
   uint32_t count(size_t l) const { return first[l + 1] - first[l]; }
@@ -45,15 +48,38 @@ struct Flat {
 
 using Choices = std::vector<uint32_t>;
 
-Flat flatten(const Problem& problem) {
+// Errors are multiplied by 2^error_shift so that the budget is near 1 (the errors that
+// matter are at most the budget), without letting the largest error overflow and, where
+// possible, keeping every positive error a normal number. Scaling by a power of two
+// commutes exactly with addition and comparison of normal numbers, so feasibility
+// decisions are the same as on the problem's errors; what it buys is that ratios of cost
+// to error (hull-step efficiencies, the Lagrange multiplier) stay finite.
+int error_shift(const Problem& problem, double budget) {
+  double largest = 0, smallest = std::numeric_limits<double>::infinity();
+  for (const Layer& layer : problem.layers)
+    for (const Candidate& c : layer.candidates)
+      if (c.error > 0) {
+        largest = std::max(largest, c.error);
+        smallest = std::min(smallest, c.error);
+      }
+  if (!(largest > 0)) return 0;
+  int exponent_reference, exponent_largest, exponent_smallest;  // x = m 2^e, m in [0.5, 1)
+  std::frexp(budget > 0 ? budget : largest, &exponent_reference);
+  std::frexp(largest, &exponent_largest);
+  std::frexp(smallest, &exponent_smallest);
+  return std::min(std::max(-exponent_reference, -1021 - exponent_smallest), 960 - exponent_largest);
+}
+
+Flat flatten(const Problem& problem, double budget) {
   Flat f;
   f.integral_costs = problem.objective == Objective::kSize;
+  f.error_shift = error_shift(problem, budget);
   f.first.push_back(0);
   const auto costs = candidate_costs(problem);
   for (size_t l = 0; l < problem.layers.size(); ++l) {
     for (size_t c = 0; c < costs[l].size(); ++c) {
       f.cost.push_back(costs[l][c]);
-      f.error.push_back(problem.layers[l].candidates[c].error);
+      f.error.push_back(std::ldexp(problem.layers[l].candidates[c].error, f.error_shift));
     }
     f.first.push_back(static_cast<uint32_t>(f.cost.size()));
   }
@@ -118,6 +144,8 @@ void repair(const Flat& f, Choices& choices, double budget) {
 // Spends budget left over (from rounding, or from the greedy's stop) on cheaper
 // candidates, largest saving first.
 void improve(const Flat& f, Choices& choices, double budget) {
+  const Choices before = choices;
+  const double before_cost = total_cost(f, choices);
   struct Move {
     double saving, extra_error;
     uint32_t layer, candidate;
@@ -126,14 +154,13 @@ void improve(const Flat& f, Choices& choices, double budget) {
   std::vector<uint8_t> moved(f.layers());
   for (int pass = 0; pass < 4; ++pass) {
     double error = total_error(f, choices);
-    const double slack = budget - error;
-    if (!(slack > 0)) break;
+    if (!(error < budget)) break;
     moves.clear();
     for (size_t l = 0; l < f.layers(); ++l) {
       const double e0 = f.error_of(l, choices[l]), s0 = f.cost_of(l, choices[l]);
       for (uint32_t c = 0; c < f.count(l); ++c) {
         const double saving = s0 - f.cost_of(l, c), extra = f.error_of(l, c) - e0;
-        if (saving > 0 && extra <= slack) moves.push_back({saving, extra, static_cast<uint32_t>(l), c});
+        if (saving > 0 && error + extra <= budget) moves.push_back({saving, extra, static_cast<uint32_t>(l), c});
       }
     }
     if (moves.empty()) break;
@@ -155,6 +182,7 @@ void improve(const Flat& f, Choices& choices, double budget) {
     if (!changed) break;
   }
   repair(f, choices, budget);  // the running sum above is not the layer-order sum
+  if (total_cost(f, choices) > before_cost) choices = before;
 }
 
 // --- Hulls and the greedy walk -----------------------------------------------------------
@@ -249,14 +277,22 @@ class HullWalk {
     return static_cast<size_t>(std::upper_bound(cum_extra_.begin() + 1, cum_extra_.end(), r) - cum_extra_.begin()) - 1;
   }
 
-  // The LP optimum of these layers within `room` error; +inf below least_error().
+  // The LP optimum of these layers within `room` error; +inf below least_error(). If the
+  // break falls among steps whose cost-to-error ratio overflowed, their order is not known
+  // exactly, and the bound falls back to every layer at its cheapest (valid, if weak).
   double lp_cost(double room) const {
     const double r = room - start_error_;
     if (r < 0) return kInf;
     const size_t i = break_at(room);
+    if (i < steps_.size() && !std::isfinite(steps_[i].efficiency)) return start_cost_ - cum_saving_.back();
     double cost = start_cost_ - cum_saving_[i];
     if (i < steps_.size()) cost -= steps_[i].saving * ((r - cum_extra_[i]) / steps_[i].extra_error);
     return cost;
+  }
+
+  // Every layer at the cheapest end of its hull.
+  void cheapest(Choices& out) const {
+    for (size_t j = 0; j < layers_.size(); ++j) out[layers_[j]] = hull_[hull_first_[j + 1] - 1];
   }
 
   // Steps in order, each taken if it still fits; a layer stops at its first step that
@@ -331,13 +367,15 @@ Relaxation relax(const Flat& f, double budget) {
   });
   Relaxation r;
   r.incumbents.emplace_back(f.layers());
-  walk.greedy(budget, r.incumbents[0]);
   const size_t at = walk.break_at(budget);
   if (at == walk.step_count()) {
+    // Every step fits: every layer at its cheapest candidate, which no assignment beats.
+    walk.cheapest(r.incumbents[0]);
     r.proven_optimal = true;
     r.lower_bound = total_cost(f, r.incumbents[0]);
     return r;
   }
+  walk.greedy(budget, r.incumbents[0]);
   r.lambda = walk.step(at).efficiency;
   r.lower_bound = walk.lp_cost(budget);
   Choices through(f.layers());
@@ -425,6 +463,7 @@ Refinement refine(const Flat& f, const Relaxation& r, const Choices& incumbent, 
     if (bins_per_layer < static_cast<double>(k)) break;  // the table cannot hold k layers usefully
     double w = std::max(min_width, big_range / bins_per_layer);
     if (f.integral_costs) w = std::ceil(w);
+    if (!(w > 0) || !std::isfinite(w)) break;              // ranges too small to discretise
     const double rounding = f.integral_costs ? w - 1 : w;  // whole bytes in 1-byte bins round exactly
     const double bound = (k < by_range.size() ? range(by_range[k]) : 0.0) + static_cast<double>(k) * rounding;
     if (bound < best_bound) {
@@ -533,30 +572,40 @@ Refinement refine(const Flat& f, const Relaxation& r, const Choices& incumbent, 
 
 Solution solve(const Problem& problem, const SolverOptions& options) {
   validate(problem);
-  const Flat f = flatten(problem);
-  const size_t layers = f.layers();
-
+  if (!(options.tolerance > 0 && options.tolerance < 1))
+    throw std::invalid_argument("solver tolerance " + std::to_string(options.tolerance) + ": must be in (0, 1)");
+  if (options.max_table_cells > (uint64_t{1} << 36))
+    throw std::invalid_argument("solver table cap " + std::to_string(options.max_table_cells) + " cells: at most 2^36");
+  const size_t layers = problem.layers.size();
+  // Totals in the problem's units: the answer's feasibility is decided on these.
+  auto unscaled_error = [&](const Choices& choices) {
+    double sum = 0;
+    for (size_t l = 0; l < layers; ++l) sum += problem.layers[l].candidates[choices[l]].error;
+    return sum;
+  };
   Solution s;
   Choices defaults(layers);
   for (size_t l = 0; l < layers; ++l) defaults[l] = problem.layers[l].default_index;
-  s.default_error = total_error(f, defaults);
-  s.default_cost = total_cost(f, defaults);
+  s.default_error = unscaled_error(defaults);
   s.budget = problem.alpha * s.default_error;
+  const Flat f = flatten(problem, s.budget);
+  s.default_cost = total_cost(f, defaults);
+  const double budget = std::ldexp(s.budget, f.error_shift);  // in the solver's units
 
   Choices choices = min_error_choices(f);
-  if (total_error(f, choices) > s.budget) {
+  if (unscaled_error(choices) > s.budget) {
     s.feasible = false;
-  } else {
-    const Relaxation r = relax(f, s.budget);
+  } else if (total_error(f, choices) <= budget) {  // (false only if the scaling was inexact)
+    const Relaxation r = relax(f, budget);
     // The cheapest of the relaxation's incumbents and (with alpha >= 1 they fit the budget
     // by definition: never answer worse) the defaults.
     std::vector<Choices> incumbents = r.incumbents;
     incumbents.push_back(defaults);
     double cost = std::numeric_limits<double>::infinity();
     for (Choices& candidate : incumbents) {
-      repair(f, candidate, s.budget);
+      repair(f, candidate, budget);
       const double c = total_cost(f, candidate);
-      if (total_error(f, candidate) <= s.budget && c < cost) {
+      if (total_error(f, candidate) <= budget && c < cost) {
         choices = candidate;
         cost = c;
       }
@@ -565,12 +614,12 @@ Solution solve(const Problem& problem, const SolverOptions& options) {
     // Refine only when the incumbent is not yet proven within tolerance: the DP's own
     // guarantee (tolerance x optimum) could not improve on it otherwise.
     if (!r.proven_optimal && cost - s.lower_bound > options.tolerance * s.lower_bound) {
-      const Refinement refined = refine(f, r, choices, cost, s.budget, options);
+      const Refinement refined = refine(f, r, choices, cost, budget, options);
       if (refined.ran) {
         s.core_layers = refined.core_layers;
         s.bin_width = refined.bin_width;
         for (Choices candidate : refined.candidates) {
-          repair(f, candidate, s.budget);
+          repair(f, candidate, budget);
           const double c = total_cost(f, candidate);
           if (c < cost || (c == cost && total_error(f, candidate) < total_error(f, choices))) {
             choices = std::move(candidate);
@@ -581,11 +630,14 @@ Solution solve(const Problem& problem, const SolverOptions& options) {
         s.lower_bound = std::max(s.lower_bound, std::min(refined.lower_bound, cost));
       }
     }
-    improve(f, choices, s.budget);
+    improve(f, choices, budget);
+    // The scaling is exact unless errors span nearly the whole double range; then make
+    // sure on the problem's own numbers.
+    if (unscaled_error(choices) > s.budget) choices = min_error_choices(f);
   }
 
   s.choices = choices;
-  s.error = total_error(f, choices);
+  s.error = unscaled_error(choices);
   s.cost = total_cost(f, choices);
   s.lower_bound = std::min(s.lower_bound, s.cost);
   for (size_t l = 0; l < layers; ++l) {

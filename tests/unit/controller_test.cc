@@ -275,6 +275,34 @@ BOOST_AUTO_TEST_CASE(decision_log_has_one_json_line_per_epoch) {
   }
 }
 
+BOOST_AUTO_TEST_CASE(nothing_on_the_solver_thread_can_end_the_process) {
+  // A layer name that is not UTF-8 once made the decision log's JSON throw on the solver
+  // thread, which ended the process.
+  auto layers = make_layers(2);
+  layers[0].name = "conv\xff";
+  test::TempDir dir;
+  ControllerSettings settings = small_schedule(2, 4, 1, 1);
+  settings.decision_log_path = dir.file("log.jsonl");
+  {
+    Controller c(settings, layers);
+    std::mt19937_64 rng(test::run_seed());
+    ErrorStats stats = c.new_stats();
+    add_samples(stats, layers, rng);
+    c.submit(1, stats);
+    BOOST_TEST(c.assignment_for_step(2)->epoch == 1u);
+  }
+  std::ifstream in(settings.decision_log_path);
+  std::string line;
+  BOOST_REQUIRE(std::getline(in, line));
+  BOOST_TEST(nlohmann::json::parse(line).at("layers")[0].at("name").get<std::string>() == "conv\xef\xbf\xbd");
+  // A replacement solver throwing something that is not a std::exception.
+  Controller c(small_schedule(2, 4, 1, 1), make_layers(2),
+               [](const Problem&, const controller::SolverOptions&) -> controller::Solution { throw 42; });
+  c.submit(1, c.new_stats());
+  BOOST_TEST(c.assignment_for_step(2)->epoch == 0u);
+  BOOST_TEST(c.counters().failed_solves == 1u);
+}
+
 BOOST_AUTO_TEST_CASE(stop_joins_the_thread_and_later_calls_do_not_hang) {
   const size_t before = thread_count();
   const auto layers = make_layers(2);

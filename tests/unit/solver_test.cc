@@ -387,6 +387,87 @@ BOOST_AUTO_TEST_CASE(golden_answer_is_the_same_on_every_machine) {
   }
 }
 
+// Regressions found by review fuzzing.
+BOOST_AUTO_TEST_CASE(an_exact_fit_of_the_cheapest_assignment_is_found_and_bounded) {
+  // The all-cheapest assignment has exactly the defaults' errors: the relaxation's prefix
+  // sums say it fits; a running subtraction once said otherwise.
+  Problem p;
+  p.layers = {Layer{"a", 0, 0, {{"q", 0, 0.41628672446192305}, {"q", 3, 0.0}}},
+              Layer{"b", 0, 0, {{"q", 4, 0.0}, {"q", 1, 0.0}}},
+              Layer{"c", 0, 1, {{"q", 2, 0.0}, {"q", 0, 0.14511564436130203}}}};
+  const Solution s = controller::solve(p);
+  BOOST_TEST(s.choices == std::vector<uint32_t>({0, 1, 1}));
+  BOOST_TEST(s.cost == 1.0);
+  BOOST_TEST(s.lower_bound == 1.0);
+}
+
+BOOST_AUTO_TEST_CASE(scaling_the_errors_by_a_power_of_two_changes_nothing) {
+  // Tiny errors against large costs once overflowed the cost-per-error ratios.
+  std::mt19937_64 rng(test::run_seed() ^ 0x5ca1e);
+  for (int i = 0; i < 300; ++i) {
+    const Problem p = random_problem(rng, i % 2 ? Flavor::kLargeBytes : Flavor::kTime, 7, 5);
+    const Solution reference = controller::solve(p);
+    for (int shift : {-900, -600, 600, 900}) {  // every error stays a normal number
+      Problem q = p;
+      for (auto& layer : q.layers)
+        for (auto& c : layer.candidates) c.error = std::ldexp(c.error, shift);
+      const Solution s = controller::solve(q);
+      BOOST_TEST_CONTEXT("instance " << i << ", errors x 2^" << shift) {
+        BOOST_TEST(s.choices == reference.choices);
+        BOOST_TEST(s.cost == reference.cost);
+        BOOST_TEST(s.lower_bound == reference.lower_bound);
+      }
+    }
+  }
+}
+
+BOOST_AUTO_TEST_CASE(irrelevant_large_errors_do_not_spoil_the_bound) {
+  // Six identical layers whose usable errors are ~1e-301, next to one candidate of error
+  // 0.75 that never fits, with costs up to 1e18 (time objective, 1 GB/s).
+  Problem p;
+  p.alpha = 0.29999999999999999;
+  p.objective = Objective::kTime;
+  p.cost_model.link = {1e-3, 0, 0};
+  for (int l = 0; l < 6; ++l)
+    p.layers.push_back(Layer{"l" + std::to_string(l),
+                             1,
+                             5,
+                             {{"quant:bits=0", 1125899906842285, 4.6757820706098911e-303},
+                              {"none", 1125899906841798, 3.1872883655945733e-301},
+                              {"quant:bits=2", 642409, 0.74954159473710547},
+                              {"quant:bits=3", 533675, 4.0537615394164191e-301},
+                              {"quant:bits=4", 567391, 5.4757866927586563e-301},
+                              {"none", 1125899906842257, 9.0725096583934933e-301}}});
+  const Solution s = controller::solve(p);
+  const Exhaustive best = exhaustive(p, s.budget);
+  BOOST_TEST(s.feasible);
+  BOOST_TEST(s.error <= s.budget);
+  BOOST_TEST(s.cost <= best.best_cost * 1.001);
+  BOOST_TEST(s.lower_bound <= best.best_cost);
+}
+
+BOOST_AUTO_TEST_CASE(totals_that_would_overflow_are_rejected) {
+  Problem p;
+  p.layers = {Layer{"a", 0, 0, {{"q", 100, 1e308}, {"q", 50, 1.7e308}}},
+              Layer{"b", 0, 0, {{"q", 100, 1e308}, {"q", 50, 1.7e308}}}};
+  BOOST_CHECK_THROW(controller::solve(p), ProblemError);
+  Problem t;
+  t.objective = Objective::kTime;
+  t.cost_model.link = {8e-303, 0, 0};
+  t.layers = {Layer{"a", 0, 0, {{"q", 1000, 1.0}}}};
+  BOOST_CHECK_THROW(controller::solve(t), ProblemError);
+  Problem tiny;  // cost ranges of 1e-323 s: nothing to discretise, and no undefined cast
+  tiny.objective = Objective::kTime;
+  tiny.cost_model.link = {1e9, 0, 0};
+  tiny.cost_model.families["a"].latency = 1e-323;
+  tiny.cost_model.families["b"].latency = 2e-323;
+  for (int l = 0; l < 6; ++l)
+    tiny.layers.push_back(Layer{"l" + std::to_string(l), 0, 0, {{"a", 0, 5.0}, {"b", 0, 1.0}, {"none", 0, 9.0}}});
+  const Solution s = controller::solve(tiny);
+  BOOST_TEST(s.error <= s.budget);
+  BOOST_TEST(s.lower_bound <= s.cost);
+}
+
 BOOST_AUTO_TEST_CASE(invalid_problems_name_the_field) {
   auto message = [](const Problem& p) {
     try {
