@@ -156,11 +156,12 @@ std::string position_text(std::string_view text, size_t byte) {
 
 // The last "key": before offset `byte`, to name the field of a syntax error.
 std::string key_before(std::string_view text, size_t byte) {
-  const size_t colon = text.rfind(':', std::min(byte, text.size()) - (byte > 0 ? 1 : 0));
-  if (colon == std::string_view::npos) return "";
-  const size_t close = text.find_last_not_of(" \t\r\n", colon - (colon > 0 ? 1 : 0));
-  if (close == std::string_view::npos || text[close] != '"' || close == 0) return "";
-  const size_t open = text.rfind('"', close - 1);
+  const std::string_view before = text.substr(0, std::min(byte, text.size()));
+  const size_t colon = before.rfind(':');
+  if (colon == std::string_view::npos || colon == 0) return "";
+  const size_t close = before.find_last_not_of(" \t\r\n", colon - 1);
+  if (close == std::string_view::npos || before[close] != '"' || close == 0) return "";
+  const size_t open = before.rfind('"', close - 1);
   if (open == std::string_view::npos) return "";
   return std::string(text.substr(open + 1, close - open - 1));
 }

@@ -65,17 +65,27 @@ inline uint32_t parse_u32(std::string_view option, const std::string& text) {
   return static_cast<uint32_t>(v);
 }
 
-inline std::vector<uint8_t> read_file(const std::string& path) {
-  FILE* f = fopen(path.c_str(), "rb");
-  if (!f) throw std::runtime_error("cannot open '" + path + "': " + strerror(errno));
+// Everything left in an open stream; `name` is for the error message.
+inline std::vector<uint8_t> read_all(FILE* f, const std::string& name) {
   std::vector<uint8_t> data;
   uint8_t chunk[1 << 16];
   size_t n;
   while ((n = fread(chunk, 1, sizeof chunk, f)) > 0) data.insert(data.end(), chunk, chunk + n);
-  const bool failed = ferror(f);
-  fclose(f);
-  if (failed) throw std::runtime_error("cannot read '" + path + "': " + strerror(errno));
+  if (ferror(f)) throw std::runtime_error("cannot read " + name + ": " + strerror(errno));
   return data;
+}
+
+inline std::vector<uint8_t> read_file(const std::string& path) {
+  FILE* f = fopen(path.c_str(), "rb");
+  if (!f) throw std::runtime_error("cannot open '" + path + "': " + strerror(errno));
+  try {
+    std::vector<uint8_t> data = read_all(f, "'" + path + "'");
+    fclose(f);
+    return data;
+  } catch (...) {
+    fclose(f);
+    throw;
+  }
 }
 
 inline void write_file(const std::string& path, const void* data, size_t size) {

@@ -64,16 +64,9 @@ int run(int argc, char** argv) {
   }
   if (path.empty()) throw cli::UsageError("missing PROBLEM.json");
 
-  std::string text;
-  if (path == "-") {
-    char chunk[1 << 16];
-    size_t n;
-    while ((n = fread(chunk, 1, sizeof chunk, stdin)) > 0) text.append(chunk, n);
-  } else {
-    const std::vector<uint8_t> bytes = cli::read_file(path);
-    text.assign(bytes.begin(), bytes.end());
-  }
   const std::string where = path == "-" ? "<stdin>" : path;
+  const std::vector<uint8_t> bytes = path == "-" ? cli::read_all(stdin, where) : cli::read_file(path);
+  const std::string text(bytes.begin(), bytes.end());
   controller::Problem problem;
   try {
     problem = controller::parse_problem_json(text);

@@ -14,6 +14,7 @@
 #include <string>
 
 #include "controller/problem.h"
+#include "kernels/quant.h"
 
 namespace lgreco::tools {
 
@@ -24,8 +25,12 @@ struct QuantInstanceShape {
   double uncompressed_fraction = 0.2;  // of the layers, one "none" candidate each
 };
 
-inline uint64_t quant_encoded_bytes(uint64_t numel, uint32_t bits, uint64_t bucket = 1024) {
-  return 8 * ((numel + bucket - 1) / bucket) + 4 * uint64_t{bits} * ((numel + 31) / 32);
+// The wire format's size (kernels/quant.h), with the bucket size defaulting as specs do.
+inline uint64_t quant_encoded_bytes(uint64_t numel, uint32_t bits, uint32_t bucket = 1024) {
+  QuantParams params;
+  params.bits = static_cast<int>(bits);
+  params.bucket = bucket;
+  return quant::encoded_bytes(params, numel);
 }
 
 inline controller::Problem quant_instance(const QuantInstanceShape& shape, uint64_t seed) {
