@@ -70,7 +70,7 @@ CORE_LIB  := $(BUILD)/lib/liblgreco_core.a
 TOOL_BINS := $(addprefix $(BUILD)/bin/,$(TOOLS))
 TEST_BIN  := $(BUILD)/bin/lgreco-unit-tests
 
-.PHONY: all deps test test-tsan bench demo install clean help FORCE
+.PHONY: all deps test test-tsan test-python fuzz bench demo install clean help FORCE
 all: $(LIB) $(PLUGIN) $(TOOL_BINS)
 
 help:
@@ -78,6 +78,8 @@ help:
 	@echo "make deps       install the Debian packages the build and tests need (root)"
 	@echo "make test       deps + build + every test suite (including test-tsan)"
 	@echo "make test-tsan  the controller's thread tests under ThreadSanitizer"
+	@echo "make test-python  tools/lgreco-register's tests (needs torch for $(PYTHON))"
+	@echo "make fuzz       the registration/parameter parsers under libFuzzer for FUZZ_SECONDS ($(FUZZ_SECONDS))"
 	@echo "make bench      CPU codec and solver benchmarks (one core), as tables"
 	@echo "make demo       deps + build + the quantization codec on a real model's layers"
 	@echo "make install    PREFIX=$(PREFIX): library, plugin name, tools, docs"
@@ -147,7 +149,8 @@ $(TEST_OBJS): CPPFLAGS += -DBOOST_TEST_DYN_LINK
 # The controller's thread and everything it touches, built again with ThreadSanitizer.
 # Only the suites that use no CUDA or codec code: small, and quick to instrument.
 # No target_clones: their ifunc resolvers run before the sanitizer's runtime is up.
-TSAN_SRCS := tests/unit/main.cc tests/unit/controller_test.cc $(wildcard controller/*.cc) config/log.cc
+TSAN_SRCS := tests/unit/main.cc tests/unit/controller_test.cc $(wildcard controller/*.cc) \
+             config/log.cc config/params.cc config/json_strict.cc kernels/codec_spec.cc
 TSAN_OBJS := $(patsubst %,$(BUILD)/tsan/%.o,$(TSAN_SRCS))
 TSAN_BIN  := $(BUILD)/bin/lgreco-controller-tsan-tests
 $(BUILD)/tsan/%.cc.o: %.cc
@@ -165,10 +168,38 @@ $(TSAN_BIN): $(TSAN_OBJS)
 # deps runs first even under -j: the build starts from the recipe, after it.
 test: deps
 	@$(MAKE) --no-print-directory all $(TEST_BIN)
-	LGRECO_BIN_DIR=$(CURDIR)/$(BUILD)/bin LGRECO_LIB=$(CURDIR)/$(LIB) LGRECO_PYTHON=$(PYTHON) \
-	LGRECO_NCCL_LIB=$(NCCL_HOME)/lib64/libnccl.so LGRECO_SOURCE_DIR=$(CURDIR) \
+	LGRECO_TEST_BIN_DIR=$(CURDIR)/$(BUILD)/bin LGRECO_TEST_LIB=$(CURDIR)/$(LIB) LGRECO_TEST_PYTHON=$(PYTHON) \
+	LGRECO_TEST_NCCL_LIB=$(NCCL_HOME)/lib64/libnccl.so LGRECO_TEST_SOURCE_DIR=$(CURDIR) \
 	  $(TEST_BIN) --report_level=short --log_level=warning
 	@$(MAKE) --no-print-directory test-tsan
+	@$(MAKE) --no-print-directory test-python
+	@$(MAKE) --no-print-directory fuzz FUZZ_SECONDS=$(TEST_FUZZ_SECONDS)
+
+# The registration tool's tests run DDP in a one-process gloo group on the CPU.
+test-python: $(BUILD)/bin/lgreco-config
+	LGRECO_DEBUG=NONE $(PYTHON) tests/python/register_test.py
+
+# libFuzzer (clang) over the parsers of user input. The committed corpus (seeds and any
+# input that once crashed) is replayed first; new inputs go to build/fuzz/corpus, and a
+# crash leaves its input in build/fuzz/ and fails the run.
+FUZZ_CXX      ?= clang++
+FUZZ_SECONDS  ?= 300
+TEST_FUZZ_SECONDS ?= 30
+FUZZ_SRCS := tests/fuzz/config_fuzz.cc config/json_strict.cc config/registration.cc config/params.cc \
+             config/log.cc config/bucket_matcher.cc kernels/codec_spec.cc kernels/dtype.cc
+FUZZ_BIN  := $(BUILD)/bin/lgreco-config-fuzz
+$(FUZZ_BIN): $(FUZZ_SRCS) $(wildcard config/*.h kernels/*.h)
+	@mkdir -p $(@D)
+	$(FUZZ_CXX) -std=c++20 -O1 -g -I. -DLGRECO_NO_MULTIVERSION -fsanitize=fuzzer,address,undefined \
+	  -fno-sanitize-recover=all $(FUZZ_SRCS) -o $@
+fuzz: $(FUZZ_BIN)
+	@mkdir -p $(BUILD)/fuzz/corpus
+	@echo "fuzz: $(FUZZ_SECONDS) s over the registration, parameter and codec-spec parsers"
+	@LGRECO_DEBUG=NONE $(FUZZ_BIN) -max_total_time=$(FUZZ_SECONDS) -max_len=4096 -timeout=10 \
+	  -artifact_prefix=$(BUILD)/fuzz/ $(BUILD)/fuzz/corpus tests/fuzz/corpus > $(BUILD)/fuzz/log 2>&1 && \
+	  grep -E '^Done [0-9]+ runs' $(BUILD)/fuzz/log || \
+	  { tail -n 40 $(BUILD)/fuzz/log; echo "fuzz: FAILED; the input is in $(BUILD)/fuzz/ (add it to" \
+	    "tests/fuzz/corpus/ with a regression test)"; exit 1; }
 
 # halt_on_error: a race fails the run instead of scrolling past.
 test-tsan: $(TSAN_BIN)

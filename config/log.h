@@ -1,25 +1,36 @@
 // Logging in the manner of NCCL_DEBUG.
 //
 //   LGRECO_DEBUG=NONE|WARN|VERSION|INFO|TRACE   (default WARN)
+//   LGRECO_DEBUG_FILE=/tmp/lgreco.%h.%p.log     (default: stderr)
+//   LGRECO_DEBUG_SUBSYS=ALL | CTRL,SHIM | ^CODEC  (INFO and TRACE lines only)
 //
-// WARN is on by default because lgreco runs inside other people's training jobs: a
-// fallback to uncompressed NCCL that nobody can see would be a silent change of
-// behaviour. Unlike NCCL, VERSION ranks above WARN: LD_PRELOAD reaches every child
-// process of a job (shells, data-loader workers), and a default that printed the version
-// line would print it in all of them. Lines go to stderr as
-//   host:pid:tid lgreco LEVEL SUBSYS message
-// A disabled level costs one relaxed atomic load; arguments are not evaluated.
-// (The registration/parameters issue adds LGRECO_DEBUG_FILE and subsystem masks.)
+// The values come from the parameters (config/params.h: environment or lgreco.conf),
+// read at the first check of a level. WARN is on by default because lgreco runs inside
+// other people's training jobs: a fallback to uncompressed NCCL that nobody can see would
+// be a silent change of behaviour. Unlike NCCL, VERSION ranks above WARN: LD_PRELOAD
+// reaches every child process of a job (shells, data-loader workers), and a default that
+// printed the version line would print it in all of them.
+//
+// Lines read
+//   host:pid:tid [rank] LGRECO LEVEL SUBSYS message
+// with `[-]` until the shim learns the process's rank. A disabled level costs one relaxed
+// atomic load; arguments are not evaluated. When NCCL hands the library its logger (net
+// plugin init), lines go to NCCL's logger instead, and WARN lines also to lgreco's own
+// sink unless NCCL_DEBUG would print them, so that a warning is never lost.
 #pragma once
 
 #include <atomic>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
 
 namespace lgreco::log {
 
 enum class Level : int { kNone = 0, kWarn = 1, kVersion = 2, kInfo = 3, kTrace = 4 };
 
 namespace detail {
-extern std::atomic<int> g_level;  // -1 until the environment has been read
+extern std::atomic<int> g_level;  // -1 until the parameters have been read
 int init_level();
 }  // namespace detail
 
@@ -31,11 +42,35 @@ inline bool enabled(Level level) {
 
 // Parses a level name (case-insensitive). Returns false for an unknown name.
 bool parse_level(const char* text, Level* level);
+const char* level_name(Level level);
+
+// The subsystems a line may name; LGRECO_DEBUG_SUBSYS selects among them.
+std::span<const char* const> subsystem_names();
+// NCCL_DEBUG_SUBSYS's syntax: a comma-separated list of names (any case), ALL, or the
+// list preceded by ^ to mean all but those. Returns false with *error naming the part.
+bool parse_subsystems(const std::string& text, uint32_t* mask, std::string* error);
+
+// Applies the logging parameters; called when the parameters are loaded. Opens the file
+// pattern (%h host, %p pid) or, if that fails, logs to stderr and says so.
+void configure(Level level, const std::string& file_pattern, uint32_t subsystem_mask);
 
 // Writes one line. Use the macros below, which skip disabled levels cheaply.
 void emit(Level level, const char* subsystem, const char* format, ...) __attribute__((format(printf, 3, 4)));
 
-// For tests: re-read LGRECO_DEBUG on the next check.
+// One WARN per distinct cause: the first call with a given (subsystem, cause) logs, later
+// ones only count. Returns whether it logged. Use LGRECO_WARN_ONCE.
+bool warn_once(const char* subsystem, std::string_view cause, const char* format, ...)
+    __attribute__((format(printf, 3, 4)));
+
+// The rank shown in each line (-1: unknown, shown as "-").
+void set_rank(int rank);
+
+// NCCL's ncclDebugLogger_t (ncclDebugLogLevel is an int-sized enum). nullptr: lgreco's
+// own sink again.
+using NcclLogger = void (*)(int level, unsigned long flags, const char* file, int line, const char* format, ...);
+void set_nccl_logger(NcclLogger logger);
+
+// For tests: re-read the parameters on the next check; forget warned causes and the rank.
 void reset_for_testing();
 
 }  // namespace lgreco::log
@@ -48,3 +83,9 @@ void reset_for_testing();
 #define LGRECO_WARN(subsystem, ...) LGRECO_LOG(::lgreco::log::Level::kWarn, subsystem, __VA_ARGS__)
 #define LGRECO_INFO(subsystem, ...) LGRECO_LOG(::lgreco::log::Level::kInfo, subsystem, __VA_ARGS__)
 #define LGRECO_TRACE(subsystem, ...) LGRECO_LOG(::lgreco::log::Level::kTrace, subsystem, __VA_ARGS__)
+// `cause` identifies the problem (not the call): the same cause logs once per process.
+#define LGRECO_WARN_ONCE(subsystem, cause, ...)                      \
+  do {                                                               \
+    if (::lgreco::log::enabled(::lgreco::log::Level::kWarn))         \
+      ::lgreco::log::warn_once(subsystem, cause, __VA_ARGS__);       \
+  } while (0)

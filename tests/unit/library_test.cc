@@ -17,8 +17,8 @@ using namespace lgreco;
 
 namespace {
 
-std::string library_path() { return test::env_or("LGRECO_LIB", "build/lib/liblgreco.so"); }
-std::string nccl_library() { return test::env_or("LGRECO_NCCL_LIB", "/usr/local/cuda/lib64/libnccl.so"); }
+std::string library_path() { return test::env_or("LGRECO_TEST_LIB", "build/lib/liblgreco.so"); }
+std::string nccl_library() { return test::env_or("LGRECO_TEST_NCCL_LIB", "/usr/local/cuda/lib64/libnccl.so"); }
 bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
 size_t count_of(const std::string& s, const std::string& part) {
@@ -45,10 +45,12 @@ BOOST_AUTO_TEST_CASE(loading_logs_one_version_line_and_nothing_by_default) {
   BOOST_TEST(quiet.output.empty(), quiet.output);
   const auto r = test::run_command("LGRECO_DEBUG=VERSION LD_PRELOAD=" + library_path() + " /bin/true");
   BOOST_TEST(r.exit_code == 0);
-  BOOST_TEST(count_of(r.output, "lgreco VERSION INIT lgreco " + std::string(version_string())) == 1u, r.output);
+  BOOST_TEST(count_of(r.output, "[-] LGRECO VERSION INIT lgreco " + std::string(version_string())) == 1u, r.output);
   BOOST_TEST(contains(r.output, "NCCL not loaded yet"), r.output);
   const auto bad = test::run_command("LGRECO_DEBUG=LOUD LD_PRELOAD=" + library_path() + " /bin/true");
-  BOOST_TEST(contains(bad.output, "lgreco WARN CONFIG LGRECO_DEBUG=LOUD is not a level"), bad.output);
+  BOOST_TEST(contains(bad.output, "LGRECO WARN CONFIG LGRECO_DEBUG=LOUD (environment): not a level; accepted: NONE,"),
+             bad.output);
+  BOOST_TEST(count_of(bad.output, "compression is off in this process") == 1u, bad.output);
 }
 
 BOOST_AUTO_TEST_CASE(loading_after_nccl_names_its_version, *boost::unit_test::precondition(NcclPresent())) {

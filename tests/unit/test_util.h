@@ -79,7 +79,7 @@ inline std::string env_or(const char* name, const std::string& fallback) {
   return v && *v ? v : fallback;
 }
 
-inline std::string bin_dir() { return env_or("LGRECO_BIN_DIR", "build/bin"); }
+inline std::string bin_dir() { return env_or("LGRECO_TEST_BIN_DIR", "build/bin"); }
 
 struct CommandResult {
   int exit_code = -1;

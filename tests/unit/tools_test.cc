@@ -34,8 +34,8 @@ std::vector<float> read_f32(const std::string& path) {
 }
 
 struct PythonDecoder {
-  std::string python = test::env_or("LGRECO_PYTHON", "/usr/bin/python3");
-  std::string script = test::env_or("LGRECO_SOURCE_DIR", ".") + "/tests/format/lgc_decode.py";
+  std::string python = test::env_or("LGRECO_TEST_PYTHON", "/usr/bin/python3");
+  std::string script = test::env_or("LGRECO_TEST_SOURCE_DIR", ".") + "/tests/format/lgc_decode.py";
   std::string command(const std::string& in, const std::string& out) const {
     return python + " " + script + " " + in + " " + out;
   }
@@ -245,7 +245,7 @@ BOOST_AUTO_TEST_CASE(solve_answers_a_problem_file_as_the_library_does) {
 }
 
 BOOST_AUTO_TEST_CASE(solve_answers_the_readme_example) {
-  const auto r = test::run_command(solve_tool() + " " + test::env_or("LGRECO_SOURCE_DIR", ".") +
+  const auto r = test::run_command(solve_tool() + " " + test::env_or("LGRECO_TEST_SOURCE_DIR", ".") +
                                    "/controller/examples/small.json");
   BOOST_REQUIRE_MESSAGE(r.exit_code == 0, r.output);
   const auto out = nlohmann::json::parse(r.output);

@@ -1,0 +1,510 @@
+#include "config/params.h"
+
+#include <strings.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+
+extern char** environ;
+
+namespace lgreco::config {
+
+namespace {
+
+// ---------------------------------------------------------------------------------------
+// Value parsers. Each returns "" or what is wrong with the text.
+
+std::string parse_unsigned(const std::string& text, uint64_t min, uint64_t max, uint64_t* out,
+                           bool byte_suffixes = false) {
+  const char* s = text.c_str();
+  if (!(*s >= '0' && *s <= '9')) return "not a whole number";
+  errno = 0;
+  char* end = nullptr;
+  unsigned long long v = strtoull(s, &end, 10);
+  if (errno == ERANGE) return "too large";
+  if (byte_suffixes && *end) {
+    const uint64_t scale = *end == 'K' || *end == 'k' ? 1ull << 10
+                           : *end == 'M' || *end == 'm' ? 1ull << 20
+                           : *end == 'G' || *end == 'g' ? 1ull << 30
+                                                        : 0;
+    if (scale == 0 || end[1] != '\0') return "not a whole number of bytes (optionally with K, M or G)";
+    if (v > max / scale) return "too large";
+    v *= scale;
+    ++end;
+  }
+  if (*end) return "not a whole number";
+  if (v < min || v > max) return "out of range";
+  *out = v;
+  return "";
+}
+
+std::string parse_real(const std::string& text, double min, double max, bool min_inclusive, double* out) {
+  const char* s = text.c_str();
+  errno = 0;
+  char* end = nullptr;
+  const double v = strtod(s, &end);
+  if (end == s || *end || !std::isfinite(v) || errno == ERANGE) return "not a finite number";
+  if (v > max || v < min || (!min_inclusive && v == min)) return "out of range";
+  *out = v;
+  return "";
+}
+
+template <typename T>
+std::string parse_choice(const std::string& text, std::initializer_list<std::pair<const char*, T>> choices, T* out) {
+  for (const auto& [name, value] : choices)
+    if (strcasecmp(text.c_str(), name) == 0) {
+      *out = value;
+      return "";
+    }
+  return "not one of the accepted values";
+}
+
+std::string apply_pattern(const std::string& text, const char* allowed, std::string* out) {
+  std::string expanded, error;
+  if (!expand_path_pattern(text, allowed, -1, &expanded, &error)) return error;
+  *out = text;
+  return "";
+}
+
+std::string trim(std::string s) {
+  const size_t b = s.find_first_not_of(" \t\r\n");
+  if (b == std::string::npos) return "";
+  const size_t e = s.find_last_not_of(" \t\r\n");
+  return s.substr(b, e - b + 1);
+}
+
+// The candidate list as written; resolved against LGRECO_CODEC after all values are read.
+constexpr size_t kMaxCandidates = 32;
+
+std::string apply_candidates(Params& p, const std::string& text) {
+  p.candidates.clear();
+  if (strcasecmp(text.c_str(), "auto") == 0) return "";  // resolved later
+  size_t begin = 0;
+  while (begin <= text.size()) {
+    size_t end = text.find(';', begin);
+    if (end == std::string::npos) end = text.size();
+    const std::string item = trim(text.substr(begin, end - begin));
+    if (item.empty()) return "an empty item in the list";
+    try {
+      const CodecSpec spec = CodecSpec::parse(item);
+      if (std::find(p.candidates.begin(), p.candidates.end(), spec) != p.candidates.end())
+        return "\"" + item + "\" is listed twice";
+      p.candidates.push_back(spec);
+    } catch (const CodecError& e) {
+      return e.what();
+    }
+    if (p.candidates.size() > kMaxCandidates) return "more than 32 candidates";
+    begin = end + 1;
+  }
+  return "";
+}
+
+// The default candidate set: every quantization width from 2 to 8 bits (the paper's
+// set), with the default codec's bucket and rounding, plus the default itself.
+std::vector<CodecSpec> auto_candidates(const CodecSpec& codec) {
+  if (codec.family() != CodecFamily::kQuant) return {codec};
+  std::vector<CodecSpec> out;
+  QuantParams q = codec.quant_params();
+  for (int bits = std::min(2, q.bits); bits <= QuantParams::kMaxBits; ++bits) {
+    QuantParams c = q;
+    c.bits = bits;
+    out.push_back(CodecSpec::quant(c));
+  }
+  return out;
+}
+
+#define U64(field, min, max) \
+  [](Params& p, const std::string& v) { return parse_unsigned(v, min, max, &p.field); }
+#define BYTES(field, min, max) \
+  [](Params& p, const std::string& v) { return parse_unsigned(v, min, max, &p.field, true); }
+
+constexpr uint64_t kMaxSteps = uint64_t{1} << 40;
+
+const ParamInfo kParamTable[] = {
+    {"LGRECO_MODE", "adaptive", "`adaptive`, `uniform`, `off`",
+     "`adaptive`: L-GreCo chooses each layer's codec among the candidates. `uniform`: every compressible layer "
+     "uses `LGRECO_CODEC`. `off`: every call goes to NCCL untouched.",
+     [](Params& p, const std::string& v) {
+       return parse_choice(v, {std::pair{"adaptive", Mode::kAdaptive}, {"uniform", Mode::kUniform}, {"off", Mode::kOff}},
+                           &p.mode);
+     }},
+    {"LGRECO_REGISTRATION", "", "a path",
+     "The registration file naming the layers of each gradient bucket (docs/REGISTRATION.md). Unset: auto mode.",
+     [](Params& p, const std::string& v) {
+       p.registration = v;
+       return std::string();
+     }},
+    {"LGRECO_AUTO", "1", "`0`, `1`",
+     "Without a registration file: `1` splits recurring buffers of at least `LGRECO_MIN_BYTES` into "
+     "`LGRECO_SEGMENT_BYTES` segments that act as layers; `0` passes every call through.",
+     [](Params& p, const std::string& v) {
+       return parse_choice(v, {std::pair{"0", false}, {"1", true}}, &p.auto_mode);
+     }},
+    {"LGRECO_CODEC", "quant:bits=4,bucket=1024,rounding=stochastic", "a codec spec (docs/FORMAT.md)",
+     "The default codec. Its total error, with alpha, is L-GreCo's error budget; `uniform` mode uses it "
+     "everywhere.",
+     [](Params& p, const std::string& v) {
+       try {
+         p.codec = CodecSpec::parse(v);
+         return std::string();
+       } catch (const CodecError& e) {
+         return std::string(e.what());
+       }
+     }},
+    {"LGRECO_CANDIDATES", "auto", "`auto`, or codec specs separated by `;` (at most 32)",
+     "The codecs L-GreCo chooses from. `auto`: quantization at 2 to 8 bits with the default codec's bucket and "
+     "rounding. The default codec is always a candidate.",
+     apply_candidates},
+    {"LGRECO_ALPHA", "1", "a number > 0 and <= 1000",
+     "The error budget: total error <= alpha x the total error of the default codec on every layer.",
+     [](Params& p, const std::string& v) { return parse_real(v, 0, 1000, false, &p.alpha); }},
+    {"LGRECO_OBJECTIVE", "size", "`size`, `time`",
+     "What L-GreCo minimises: bytes sent, or estimated time (bytes over the measured bandwidth plus codec time).",
+     [](Params& p, const std::string& v) {
+       return parse_choice(v, {std::pair{"size", std::string("size")}, {"time", std::string("time")}}, &p.objective);
+     }},
+    {"LGRECO_ERROR_METRIC", "squared", "`squared`, `l2`",
+     "How a layer's compression error is measured: ||x - C(x)||^2 (additive across layers) or ||x - C(x)|| "
+     "(the paper's).",
+     [](Params& p, const std::string& v) {
+       return parse_choice(v, {std::pair{"squared", std::string("squared")}, {"l2", std::string("l2")}},
+                           &p.error_metric);
+     }},
+    {"LGRECO_WARMUP", "100", "a whole number >= 2",
+     "Steps at the default codec before the first measurement window ends (docs/CONTROLLER.md).",
+     U64(warmup, 2, kMaxSteps)},
+    {"LGRECO_PERIOD", "100", "a whole number >= 1", "Steps between re-solves.", U64(period, 1, kMaxSteps)},
+    {"LGRECO_WINDOW", "10", "a whole number >= 1, at most the period",
+     "Steps whose errors are measured before each solve.", U64(window, 1, kMaxSteps)},
+    {"LGRECO_SWITCH_LAG", "3", "a whole number >= 1; window + lag <= period + 1",
+     "Steps between the end of a window and the switch to its solution, on every rank.",
+     U64(switch_lag, 1, kMaxSteps)},
+    {"LGRECO_SOLVER_TOLERANCE", "0.001", "a number >= 0 and < 1",
+     "The relative optimality gap at which the solver may stop (it reports the gap it proved).",
+     [](Params& p, const std::string& v) { return parse_real(v, 0, 0.999999, true, &p.solver_tolerance); }},
+    {"LGRECO_MIN_BYTES", "262144", "bytes (K, M, G suffixes allowed)",
+     "Calls smaller than this go to NCCL untouched: they are latency-bound and gain nothing from compression.",
+     BYTES(min_bytes, 0, uint64_t{1} << 50)},
+    {"LGRECO_SEGMENT_BYTES", "1048576", "bytes >= 4096 (K, M, G suffixes allowed)",
+     "Auto mode: the size of the segments a buffer is split into (in the buffer's dtype; rounded down to whole "
+     "1024-element groups).",
+     BYTES(segment_bytes, 4096, uint64_t{1} << 40)},
+    {"LGRECO_DECISION_LOG", "", "a path; `%h` host, `%p` pid, `%r` rank, `%%` a percent sign",
+     "Appends one JSON line per solved assignment (docs/CONTROLLER.md). Unset: no log.",
+     [](Params& p, const std::string& v) { return apply_pattern(v, "hpr", &p.decision_log); }},
+    {"LGRECO_DEBUG", "WARN", "`NONE`, `WARN`, `VERSION`, `INFO`, `TRACE` (any case)",
+     "What the library logs. `WARN`: problems, including every fallback to uncompressed NCCL. `VERSION`: also "
+     "one line at load with lgreco's, NCCL's and CUDA's versions. `INFO`, `TRACE`: more detail.",
+     [](Params& p, const std::string& v) {
+       return log::parse_level(v.c_str(), &p.debug_level) ? std::string() : std::string("not a level");
+     }},
+    {"LGRECO_DEBUG_FILE", "", "a path; `%h` host, `%p` pid, `%%` a percent sign",
+     "Where log lines go (the file is truncated when opened). Unset: stderr.",
+     [](Params& p, const std::string& v) { return apply_pattern(v, "hp", &p.debug_file); }},
+    {"LGRECO_DEBUG_SUBSYS", "ALL",
+     "`ALL`, or a comma-separated list of `INIT`, `CONFIG`, `CTRL`, `CODEC`, `ENGINE`, `SHIM`, `NET`; a leading "
+     "`^` excludes them",
+     "Which subsystems' INFO and TRACE lines are logged (WARN lines always are).",
+     [](Params& p, const std::string& v) {
+       std::string error;
+       return log::parse_subsystems(v, &p.debug_subsys, &error) ? std::string() : error;
+     }},
+    {"LGRECO_CONF_FILE", "", "a path (environment only)",
+     "The parameter file to read instead of `~/.lgreco.conf` or `/etc/lgreco.conf`.",
+     [](Params& p, const std::string& v) {
+       p.conf_file = v;
+       return std::string();
+     }},
+};
+
+#undef U64
+#undef BYTES
+
+bool reserved_name(const std::string& name) { return name.rfind("LGRECO_TEST_", 0) == 0; }
+
+size_t edit_distance(std::string_view a, std::string_view b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] != b[j - 1])});
+      diagonal = up;
+    }
+  }
+  return row[b.size()];
+}
+
+std::string unknown_name_text(const std::string& name) {
+  std::string text = name + " is not an lgreco parameter";
+  const ParamInfo* best = nullptr;
+  size_t best_distance = 4;  // suggest only near misses
+  for (const ParamInfo& info : kParamTable) {
+    const size_t d = edit_distance(name, info.name);
+    if (d < best_distance) best_distance = d, best = &info;
+  }
+  if (best) text += std::string(" (did you mean ") + best->name + "?)";
+  return text + "; ignored";
+}
+
+struct Value {
+  std::string text;
+  Origin origin;
+};
+
+// Reads KEY=VALUE lines into `values`.
+void read_conf_text(const std::string& text, const std::string& file, std::map<std::string, Value>* values,
+                    Params* params) {
+  int line_number = 0;
+  size_t begin = 0;
+  while (begin < text.size()) {
+    size_t end = text.find('\n', begin);
+    if (end == std::string::npos) end = text.size();
+    const std::string line = trim(text.substr(begin, end - begin));
+    begin = end + 1;
+    ++line_number;
+    const std::string where = file + ":" + std::to_string(line_number);
+    if (line.empty() || line[0] == '#') continue;
+    const size_t equals = line.find('=');
+    if (equals == std::string::npos || equals == 0) {
+      params->warnings.push_back(where + ": not a KEY=VALUE line; ignored");
+      continue;
+    }
+    const std::string key = trim(line.substr(0, equals));
+    const std::string value = trim(line.substr(equals + 1));
+    if (key == "LGRECO_CONF_FILE") {
+      params->warnings.push_back(where + ": LGRECO_CONF_FILE is read only from the environment; ignored");
+      continue;
+    }
+    if (!find_param(key)) {
+      params->warnings.push_back(where + ": " + unknown_name_text(key));
+      continue;
+    }
+    if (const auto it = values->find(key); it != values->end())
+      params->warnings.push_back(where + ": " + key + " is also set at line " + std::to_string(it->second.origin.line) +
+                                 "; this line wins");
+    (*values)[key] = Value{value, Origin{Origin::Kind::kFile, file, line_number}};
+  }
+}
+
+// Finds and reads the parameter file into `values`.
+void read_conf_file(const ParamSources& sources, const std::string& named, std::map<std::string, Value>* values,
+                    Params* params) {
+  std::vector<std::string> paths;
+  if (!named.empty()) {
+    paths = {named};
+  } else {
+    if (!sources.home.empty()) paths.push_back(sources.home + "/.lgreco.conf");
+    paths.push_back("/etc/lgreco.conf");
+  }
+  for (const std::string& path : paths) {
+    bool missing = false;
+    std::string error;
+    const std::optional<std::string> text = sources.read_file ? sources.read_file(path, &missing, &error)
+                                                              : std::nullopt;
+    if (text) {
+      params->conf_file = path;
+      read_conf_text(*text, path, values, params);
+      return;
+    }
+    if (!named.empty()) {  // asked for by name: not finding it is an error
+      params->errors.push_back("LGRECO_CONF_FILE=" + named + ": cannot read: " +
+                               (missing ? std::string("no such file") : error));
+      return;
+    }
+    if (!missing) params->warnings.push_back(path + ": cannot read: " + error + "; not used");
+  }
+}
+
+}  // namespace
+
+const char* mode_name(Mode mode) {
+  switch (mode) {
+    case Mode::kAdaptive: return "adaptive";
+    case Mode::kUniform: return "uniform";
+    case Mode::kOff: return "off";
+  }
+  return "?";
+}
+
+std::string Origin::str() const {
+  switch (kind) {
+    case Kind::kDefault: return "default";
+    case Kind::kEnvironment: return "environment";
+    case Kind::kFile: return file + ":" + std::to_string(line);
+  }
+  return "?";
+}
+
+const Params::Entry* Params::entry(std::string_view name) const {
+  for (const Entry& e : entries)
+    if (name == e.name) return &e;
+  return nullptr;
+}
+
+std::span<const ParamInfo> param_table() { return kParamTable; }
+
+const ParamInfo* find_param(std::string_view name) {
+  for (const ParamInfo& info : kParamTable)
+    if (name == info.name) return &info;
+  return nullptr;
+}
+
+ParamSources ParamSources::from_process() {
+  ParamSources sources;
+  for (char** e = environ; e && *e; ++e) {
+    const char* entry = *e;
+    if (strncmp(entry, "LGRECO_", 7) != 0) continue;
+    const char* equals = strchr(entry, '=');
+    if (!equals) continue;
+    sources.environment.emplace_back(std::string(entry, equals), std::string(equals + 1));
+  }
+  if (const char* home = getenv("HOME")) sources.home = home;
+  sources.read_file = [](const std::string& path, bool* missing, std::string* error) -> std::optional<std::string> {
+    FILE* f = fopen(path.c_str(), "rb");
+    if (!f) {
+      *missing = errno == ENOENT || errno == ENOTDIR;
+      *error = strerror(errno);
+      return std::nullopt;
+    }
+    std::string text;
+    char chunk[4096];
+    size_t n;
+    // A parameter file is a few lines; anything past 1 MiB is not one.
+    while ((n = fread(chunk, 1, sizeof chunk, f)) > 0 && text.size() < (1u << 20)) text.append(chunk, n);
+    const bool failed = ferror(f);
+    fclose(f);
+    if (failed) {
+      *error = "read error";
+      return std::nullopt;
+    }
+    return text;
+  };
+  return sources;
+}
+
+Params load_params(const ParamSources& sources) {
+  Params params;
+  std::map<std::string, Value> values;
+  std::string named_file;
+  std::map<std::string, Value> environment;
+  for (const auto& [name, text] : sources.environment) {
+    if (reserved_name(name)) continue;
+    if (!find_param(name)) {
+      params.warnings.push_back("environment: " + unknown_name_text(name));
+      continue;
+    }
+    environment[name] = Value{text, Origin{Origin::Kind::kEnvironment, "", 0}};
+    if (name == "LGRECO_CONF_FILE") named_file = trim(text);
+  }
+  read_conf_file(sources, named_file, &values, &params);
+  for (auto& [name, value] : environment) values[name] = value;  // the environment wins
+
+  for (const ParamInfo& info : kParamTable) {
+    Params::Entry entry{info.name, info.default_value, Origin{}};
+    if (const auto it = values.find(info.name); it != values.end() && !trim(it->second.text).empty()) {
+      entry.value = trim(it->second.text);
+      entry.origin = it->second.origin;
+    }
+    const std::string error = info.apply(params, entry.value);
+    if (!error.empty()) {
+      const std::string where = entry.origin.kind == Origin::Kind::kDefault ? "" : " (" + entry.origin.str() + ")";
+      std::string accepted = info.accepted;  // Markdown for the docs; plain in a message
+      std::erase(accepted, '`');
+      params.errors.push_back(std::string(info.name) + "=" + entry.value + where + ": " + error + "; accepted: " +
+                              accepted);
+      info.apply(params, info.default_value);  // keep a consistent value for display
+    }
+    params.entries.push_back(std::move(entry));
+  }
+
+  // Rules across parameters.
+  if (params.candidates.empty()) {  // `auto`
+    params.candidates = auto_candidates(params.codec);
+  } else if (std::find(params.candidates.begin(), params.candidates.end(), params.codec) == params.candidates.end()) {
+    params.candidates.push_back(params.codec);  // the budget is defined by it: always feasible
+  }
+  return params;
+}
+
+namespace {
+std::mutex g_params_mutex;
+std::atomic<const Params*> g_params{nullptr};
+}  // namespace
+
+const Params& params() {
+  if (const Params* p = g_params.load(std::memory_order_acquire)) return *p;
+  const Params* loaded = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(g_params_mutex);
+    if (const Params* p = g_params.load(std::memory_order_acquire)) return *p;
+    // Never freed: log lines from static destructors at exit may still read it.
+    loaded = new Params(load_params(ParamSources::from_process()));
+    log::configure(loaded->debug_level, loaded->debug_file, loaded->debug_subsys);
+    g_params.store(loaded, std::memory_order_release);
+  }
+  if (!loaded->conf_file.empty()) LGRECO_INFO("CONFIG", "read parameters from %s", loaded->conf_file.c_str());
+  for (const std::string& w : loaded->warnings) LGRECO_WARN("CONFIG", "%s", w.c_str());
+  for (const std::string& e : loaded->errors) LGRECO_WARN("CONFIG", "%s", e.c_str());
+  if (!loaded->valid())
+    LGRECO_WARN("CONFIG", "invalid configuration (%zu error%s above): compression is off in this process",
+                loaded->errors.size(), loaded->errors.size() == 1 ? "" : "s");
+  return *loaded;
+}
+
+void reload_params_for_testing() { g_params.store(nullptr, std::memory_order_release); }
+
+std::string params_markdown_table() {
+  std::string out = "| parameter | default | accepted | meaning |\n| --- | --- | --- | --- |\n";
+  for (const ParamInfo& info : kParamTable) {
+    const std::string def = *info.default_value ? "`" + std::string(info.default_value) + "`" : "unset";
+    out += std::string("| `") + info.name + "` | " + def + " | " + info.accepted + " | " + info.meaning + " |\n";
+  }
+  return out;
+}
+
+bool expand_path_pattern(const std::string& pattern, const char* allowed, int rank, std::string* path,
+                         std::string* error) {
+  std::string out;
+  for (size_t i = 0; i < pattern.size(); ++i) {
+    if (pattern[i] != '%') {
+      out += pattern[i];
+      continue;
+    }
+    const char c = i + 1 < pattern.size() ? pattern[i + 1] : '\0';
+    ++i;
+    if (c == '%') {
+      out += '%';
+    } else if (c != '\0' && strchr(allowed, c)) {
+      if (c == 'h') {
+        char host[256] = "unknown";
+        gethostname(host, sizeof host - 1);
+        host[sizeof host - 1] = '\0';
+        out += host;
+      } else if (c == 'p') {
+        out += std::to_string(getpid());
+      } else if (c == 'r') {
+        out += std::to_string(rank);
+      }
+    } else {
+      std::string accepted;
+      for (const char* a = allowed; *a; ++a) accepted += std::string(accepted.empty() ? "%" : ", %") + *a;
+      *error = (c ? "%" + std::string(1, c) : std::string("a lone % at the end")) + " is not a pattern sequence (" +
+               accepted + ", %% accepted)";
+      return false;
+    }
+  }
+  *path = out;
+  return true;
+}
+
+}  // namespace lgreco::config

@@ -1,0 +1,32 @@
+#include "controller/settings.h"
+
+#include <stdexcept>
+#include <string>
+
+namespace lgreco::controller {
+
+ControllerSettings settings_from_params(const config::Params& p, int rank) {
+  ControllerSettings s;
+  s.alpha = p.alpha;
+  if (!parse_objective(p.objective, &s.objective))
+    throw std::invalid_argument("LGRECO_OBJECTIVE=" + p.objective + ": not an objective");
+  if (!parse_metric(p.error_metric, &s.metric))
+    throw std::invalid_argument("LGRECO_ERROR_METRIC=" + p.error_metric + ": not a metric");
+  s.schedule = ScheduleSettings{p.warmup, p.period, p.window, p.switch_lag};
+  try {
+    Schedule check(s.schedule);
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument("LGRECO_WARMUP=" + std::to_string(p.warmup) + ", LGRECO_PERIOD=" +
+                                std::to_string(p.period) + ", LGRECO_WINDOW=" + std::to_string(p.window) +
+                                ", LGRECO_SWITCH_LAG=" + std::to_string(p.switch_lag) + ": " + e.what());
+  }
+  s.solver.tolerance = p.solver_tolerance;
+  if (!p.decision_log.empty()) {
+    std::string error;
+    if (!config::expand_path_pattern(p.decision_log, "hpr", rank, &s.decision_log_path, &error))
+      throw std::invalid_argument("LGRECO_DECISION_LOG=" + p.decision_log + ": " + error);
+  }
+  return s;
+}
+
+}  // namespace lgreco::controller
