@@ -218,10 +218,7 @@ const ParamInfo kParamTable[] = {
      }},
     {"LGRECO_CONF_FILE", "", "a path (environment only)",
      "The parameter file to read instead of `~/.lgreco.conf` or `/etc/lgreco.conf`.",
-     [](Params& p, const std::string& v) {
-       p.conf_file = v;
-       return std::string();
-     }},
+     [](Params&, const std::string&) { return std::string(); }},  // read before the others
 };
 
 #undef U64

@@ -17,15 +17,13 @@ using namespace lgreco;
 
 namespace {
 
+using test::contains;
+using test::count_of;
+using test::read_text;
+
 std::string library_path() { return test::env_or("LGRECO_TEST_LIB", "build/lib/liblgreco.so"); }
 std::string nccl_library() { return test::env_or("LGRECO_TEST_NCCL_LIB", "/usr/local/cuda/lib64/libnccl.so"); }
-bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
-size_t count_of(const std::string& s, const std::string& part) {
-  size_t n = 0;
-  for (size_t at = s.find(part); at != std::string::npos; at = s.find(part, at + 1)) ++n;
-  return n;
-}
 
 struct NcclPresent {
   boost::test_tools::assertion_result operator()(boost::unit_test::test_unit_id) const {

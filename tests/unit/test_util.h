@@ -10,6 +10,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <sstream>
 #include <limits>
 #include <random>
 #include <string>
@@ -18,6 +20,22 @@
 #include "kernels/dtype.h"
 
 namespace lgreco::test {
+
+inline bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+inline size_t count_of(const std::string& s, const std::string& part) {
+  size_t n = 0;
+  for (size_t at = s.find(part); at != std::string::npos; at = s.find(part, at + 1)) ++n;
+  return n;
+}
+
+// A whole text file ("" if it cannot be read).
+inline std::string read_text(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
 
 // A seed that differs between runs (inputs are drawn fresh every time) and is printed on
 // failure through BOOST_TEST_CONTEXT by the callers, so a failing draw can be replayed
