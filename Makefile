@@ -218,7 +218,8 @@ install: all
 	install -d $(DESTDIR)$(PREFIX)/lib $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/share/doc/lgreco
 	install -m 0755 $(LIB) $(DESTDIR)$(PREFIX)/lib/liblgreco.so
 	ln -sf liblgreco.so $(DESTDIR)$(PREFIX)/lib/libnccl-net-lgreco.so
-	install -m 0755 $(TOOL_BINS) $(DESTDIR)$(PREFIX)/bin/
+	install -m 0755 $(TOOL_BINS) tools/lgreco-register $(DESTDIR)$(PREFIX)/bin/
+	install -m 0644 tools/lgreco_register.py $(DESTDIR)$(PREFIX)/bin/
 	install -m 0644 README.md docs/*.md $(DESTDIR)$(PREFIX)/share/doc/lgreco/
 
 clean:
