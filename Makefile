@@ -194,7 +194,7 @@ $(FUZZ_BIN): $(FUZZ_SRCS) $(wildcard config/*.h kernels/*.h)
 	  -fno-sanitize-recover=all $(FUZZ_SRCS) -o $@
 fuzz: $(FUZZ_BIN)
 	@mkdir -p $(BUILD)/fuzz/corpus
-	@echo "fuzz: $(FUZZ_SECONDS) s over the registration, parameter and codec-spec parsers"
+	@echo "fuzz: $(FUZZ_SECONDS) s over the registration, parameter and codec-spec parsers and the bucket matcher"
 	@LGRECO_DEBUG=NONE $(FUZZ_BIN) -max_total_time=$(FUZZ_SECONDS) -max_len=4096 -timeout=10 \
 	  -artifact_prefix=$(BUILD)/fuzz/ $(BUILD)/fuzz/corpus tests/fuzz/corpus > $(BUILD)/fuzz/log 2>&1 && \
 	  grep -E '^Done [0-9]+ runs' $(BUILD)/fuzz/log || \

@@ -11,7 +11,13 @@ std::string json_path(const std::string& path, std::string_view key) {
 }
 
 // The value of a number as the message shows it.
-std::string json_shown(const json& value) { return value.dump(); }
+// Arrays and objects by their type only, and long values cut: messages stay one line.
+std::string json_shown(const json& value) {
+  if (value.is_structured()) return std::string("an ") + value.type_name();
+  std::string text = value.dump(-1, ' ', false, json::error_handler_t::replace);
+  if (text.size() > 80) text = text.substr(0, 77) + "...";
+  return text;
+}
 
 void expect_object(const json& value, const std::string& path) {
   if (!value.is_object())
@@ -107,7 +113,11 @@ std::string key_before(std::string_view text, size_t byte) {
 json parse_strict_json(std::string_view text) {
   // Duplicate keys would silently keep the last value.
   std::vector<std::set<std::string>> open_objects;
-  const json::parser_callback_t reject_duplicates = [&](int, json::parse_event_t event, json& parsed) {
+  const json::parser_callback_t reject_duplicates = [&](int depth, json::parse_event_t event, json& parsed) {
+    // Nothing here nests deeply; a document that does is not one of ours, and deep
+    // nesting costs stack elsewhere.
+    if (depth > kMaxJsonDepth)
+      throw JsonError("nested deeper than " + std::to_string(kMaxJsonDepth) + " levels; not a document lgreco reads");
     if (event == json::parse_event_t::object_start) open_objects.emplace_back();
     if (event == json::parse_event_t::object_end) open_objects.pop_back();
     if (event == json::parse_event_t::key && !open_objects.back().insert(parsed.get<std::string>()).second)

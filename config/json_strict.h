@@ -22,8 +22,11 @@ class JsonError : public std::invalid_argument {
 
 using nlohmann::json;
 
+inline constexpr int kMaxJsonDepth = 32;
+
 // Parses a whole document. Syntax errors name the line, column and the key being read;
-// a duplicate key is an error (nlohmann would keep the last value silently).
+// a duplicate key is an error (nlohmann would keep the last value silently), and so is
+// nesting deeper than kMaxJsonDepth.
 json parse_strict_json(std::string_view text);
 
 // "a.b" (or "b" at the root).

@@ -53,8 +53,11 @@ int nccl_level(Level level) {
   }
   return 3;
 }
-unsigned long nccl_flags(const char* subsystem) {
-  constexpr unsigned long kInit = 0x1, kColl = 0x2, kNet = 0x10;
+unsigned long nccl_flags(Level level, const char* subsystem) {
+  constexpr unsigned long kInit = 0x1, kColl = 0x2, kNet = 0x10, kAll = ~0ul;
+  // NCCL drops lines whose flags miss NCCL_DEBUG_SUBSYS (INIT,BOOTSTRAP,ENV by default);
+  // its own WARN lines carry NCCL_ALL, and so do ours.
+  if (level == Level::kWarn) return kAll;
   if (!strcmp(subsystem, "INIT") || !strcmp(subsystem, "CONFIG")) return kInit;
   if (!strcmp(subsystem, "NET")) return kNet;
   return kColl;
@@ -79,7 +82,7 @@ void write_line(Level level, const char* subsystem, const char* message) {
   char rank[16] = "-";
   if (const int r = g_rank.load(std::memory_order_relaxed); r >= 0) snprintf(rank, sizeof rank, "%d", r);
   const NcclLogger nccl = g_nccl_logger.load(std::memory_order_acquire);
-  if (nccl) nccl(nccl_level(level), nccl_flags(subsystem), "lgreco", 0, "LGRECO %s %s", subsystem, message);
+  if (nccl) nccl(nccl_level(level), nccl_flags(level, subsystem), "lgreco", 0, "LGRECO %s %s", subsystem, message);
   if (nccl && !(level == Level::kWarn && !nccl_prints_warnings())) return;
   std::lock_guard<std::mutex> lock(g_mutex);
   FILE* out = g_sink ? g_sink : stderr;
@@ -169,7 +172,7 @@ void configure(Level level, const std::string& file_pattern, uint32_t subsystem_
       std::string path, error;
       if (!config::expand_path_pattern(file_pattern, "hp", -1, &path, &error)) {
         failure = "LGRECO_DEBUG_FILE=" + file_pattern + ": " + error + "; logging to stderr";
-      } else if (FILE* f = fopen(path.c_str(), "w")) {
+      } else if (FILE* f = fopen(path.c_str(), "a")) {  // append: child processes share a name without %p
         g_sink = f;
         g_sink_owned = true;
       } else {
@@ -189,18 +192,18 @@ void emit(Level level, const char* subsystem, const char* format, ...) {
 }
 
 bool warn_once(const char* subsystem, std::string_view cause, const char* format, ...) {
+  bool filled = false;  // this call took the last place: say that later ones are dropped
   {
     std::lock_guard<std::mutex> lock(g_mutex);
     if (g_causes_full) return false;
     if (!g_causes.emplace(std::string(subsystem) + '\0' + std::string(cause)).second) return false;
-    g_causes_full = g_causes.size() >= kMaxCauses;
+    filled = g_causes_full = g_causes.size() >= kMaxCauses;
   }
   va_list args;
   va_start(args, format);
   vemit(Level::kWarn, subsystem, format, args);
   va_end(args);
-  if (g_causes_full)
-    emit(Level::kWarn, subsystem, "%zu distinct warnings so far; further new ones are not logged", kMaxCauses);
+  if (filled) emit(Level::kWarn, subsystem, "%zu distinct warnings so far; further new ones are not logged", kMaxCauses);
   return true;
 }
 

@@ -58,7 +58,8 @@ void configure(Level level, const std::string& file_pattern, uint32_t subsystem_
 void emit(Level level, const char* subsystem, const char* format, ...) __attribute__((format(printf, 3, 4)));
 
 // One WARN per distinct cause: the first call with a given (subsystem, cause) logs, later
-// ones only count. Returns whether it logged. Use LGRECO_WARN_ONCE.
+// ones are silent. Returns whether it logged. Past 4096 causes, one line says so and new
+// causes are silent too (memory stays bounded). Use LGRECO_WARN_ONCE.
 bool warn_once(const char* subsystem, std::string_view cause, const char* format, ...)
     __attribute__((format(printf, 3, 4)));
 

@@ -82,6 +82,7 @@ std::string trim(std::string s) {
 
 // The candidate list as written; resolved against LGRECO_CODEC after all values are read.
 constexpr size_t kMaxCandidates = 32;
+constexpr size_t kMaxConfBytes = size_t{1} << 20;
 
 std::string apply_candidates(Params& p, const std::string& text) {
   p.candidates.clear();
@@ -206,7 +207,7 @@ const ParamInfo kParamTable[] = {
        return log::parse_level(v.c_str(), &p.debug_level) ? std::string() : std::string("not a level");
      }},
     {"LGRECO_DEBUG_FILE", "", "a path; `%h` host, `%p` pid, `%%` a percent sign",
-     "Where log lines go (the file is truncated when opened). Unset: stderr.",
+     "Where log lines go, appended (LD_PRELOAD reaches every child process: use `%p` for one file per process). Unset: stderr.",
      [](Params& p, const std::string& v) { return apply_pattern(v, "hp", &p.debug_file); }},
     {"LGRECO_DEBUG_SUBSYS", "ALL",
      "`ALL`, or a comma-separated list of `INIT`, `CONFIG`, `CTRL`, `CODEC`, `ENGINE`, `SHIM`, `NET`; a leading "
@@ -271,6 +272,10 @@ void read_conf_text(const std::string& text, const std::string& file, std::map<s
     ++line_number;
     const std::string where = file + ":" + std::to_string(line_number);
     if (line.empty() || line[0] == '#') continue;
+    if (std::any_of(line.begin(), line.end(), [](char c) { return (c >= 0 && c < 0x20 && c != '\t') || c == 0x7f; })) {
+      params->warnings.push_back(where + ": holds a control character (a binary file?); line ignored");
+      continue;
+    }
     const size_t equals = line.find('=');
     if (equals == std::string::npos || equals == 0) {
       params->warnings.push_back(where + ": not a KEY=VALUE line; ignored");
@@ -286,6 +291,7 @@ void read_conf_text(const std::string& text, const std::string& file, std::map<s
       params->warnings.push_back(where + ": " + unknown_name_text(key));
       continue;
     }
+    if (value.empty()) continue;  // empty counts as unset
     if (const auto it = values->find(key); it != values->end())
       params->warnings.push_back(where + ": " + key + " is also set at line " + std::to_string(it->second.origin.line) +
                                  "; this line wins");
@@ -376,12 +382,16 @@ ParamSources ParamSources::from_process() {
     std::string text;
     char chunk[4096];
     size_t n;
-    // A parameter file is a few lines; anything past 1 MiB is not one.
-    while ((n = fread(chunk, 1, sizeof chunk, f)) > 0 && text.size() < (1u << 20)) text.append(chunk, n);
+    while ((n = fread(chunk, 1, sizeof chunk, f)) > 0 && text.size() <= kMaxConfBytes) text.append(chunk, n);
+    const int read_errno = errno;
     const bool failed = ferror(f);
     fclose(f);
     if (failed) {
-      *error = "read error";
+      *error = strerror(read_errno);  // EISDIR for a directory
+      return std::nullopt;
+    }
+    if (text.size() > kMaxConfBytes) {  // a parameter file is a few lines
+      *error = "larger than 1 MiB; not a parameter file";
       return std::nullopt;
     }
     return text;
@@ -400,6 +410,7 @@ Params load_params(const ParamSources& sources) {
       params.warnings.push_back("environment: " + unknown_name_text(name));
       continue;
     }
+    if (trim(text).empty()) continue;  // empty counts as unset: the file's value applies
     environment[name] = Value{text, Origin{Origin::Kind::kEnvironment, "", 0}};
     if (name == "LGRECO_CONF_FILE") named_file = trim(text);
   }
@@ -425,10 +436,14 @@ Params load_params(const ParamSources& sources) {
   }
 
   // Rules across parameters.
+  if (std::string e = schedule_error(params); !e.empty()) params.errors.push_back(std::move(e));
   if (params.candidates.empty()) {  // `auto`
     params.candidates = auto_candidates(params.codec);
   } else if (std::find(params.candidates.begin(), params.candidates.end(), params.codec) == params.candidates.end()) {
     params.candidates.push_back(params.codec);  // the budget is defined by it: always feasible
+    if (params.candidates.size() > kMaxCandidates)
+      params.errors.push_back("LGRECO_CANDIDATES: 32 candidates and the default codec (" + params.codec.str() +
+                              ") make 33; accepted: at most 32 with the default codec among them");
   }
   return params;
 }
@@ -467,6 +482,27 @@ std::string params_markdown_table() {
     out += std::string("| `") + info.name + "` | " + def + " | " + info.accepted + " | " + info.meaning + " |\n";
   }
   return out;
+}
+
+std::string schedule_rule_violation(uint64_t warmup, uint64_t period, uint64_t window, uint64_t switch_lag) {
+  const auto n = [](uint64_t v) { return std::to_string(v); };
+  if (warmup < 2) return "warmup " + n(warmup) + ": must be at least 2 (DDP rebuilds its buckets after its first step)";
+  if (period < 1) return "period 0: must be at least 1";
+  if (window < 1 || window > period)
+    return "window " + n(window) + ": must be between 1 and the period (" + n(period) + ")";
+  if (switch_lag < 1) return "switch lag 0: must be at least 1";
+  if (window + switch_lag > period + 1)
+    return "window " + n(window) + " + switch lag " + n(switch_lag) + ": must be at most period + 1 (" +
+           n(period + 1) + "), so that each assignment is in effect before the next window measures";
+  return "";
+}
+
+std::string schedule_error(const Params& p) {
+  const std::string v = schedule_rule_violation(p.warmup, p.period, p.window, p.switch_lag);
+  if (v.empty()) return v;
+  return "LGRECO_WARMUP=" + std::to_string(p.warmup) + ", LGRECO_PERIOD=" + std::to_string(p.period) +
+         ", LGRECO_WINDOW=" + std::to_string(p.window) + ", LGRECO_SWITCH_LAG=" + std::to_string(p.switch_lag) +
+         ": " + v;
 }
 
 bool expand_path_pattern(const std::string& pattern, const char* allowed, int rank, std::string* path,

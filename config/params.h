@@ -104,6 +104,13 @@ const Params& params();
 // For tests: the next params() reloads from the environment (not thread-safe).
 void reload_params_for_testing();
 
+// The rules of the controller's schedule (controller/schedule.h says why each holds):
+// "" if they hold, else what is wrong ("window 200: must be between 1 and the period").
+// Kept here so that an invalid schedule is a configuration error like any other.
+std::string schedule_rule_violation(uint64_t warmup, uint64_t period, uint64_t window, uint64_t switch_lag);
+// The same for the LGRECO_* schedule parameters, naming them; "" if the rules hold.
+std::string schedule_error(const Params& params);
+
 // docs/CONFIG.md's parameter table.
 std::string params_markdown_table();
 

@@ -137,10 +137,46 @@ void validate_bucket(const RegisteredBucket& bucket, size_t b, std::map<std::str
     throw JsonError(path + ": the layers hold " + num(next) + " elements, but count is " + num(bucket.count));
 }
 
+bool same_layers(const RegisteredBucket& a, const RegisteredBucket& b) {
+  if (a.layers.size() != b.layers.size()) return false;
+  for (size_t l = 0; l < a.layers.size(); ++l) {
+    const RegisteredLayer &x = a.layers[l], &y = b.layers[l];
+    if (x.numel != y.numel || x.shape != y.shape || x.has_shape != y.has_shape || x.compress.str() != y.compress.str())
+      return false;
+  }
+  return true;
+}
+
+// The matcher finds where a step begins from the sequence of counts and dtypes. If that
+// sequence repeats with a shorter period (buckets 0 and r alike, 1 and r+1, ...), calls
+// alone cannot tell bucket j from bucket j+r; that is harmless only if their layers are
+// alike too.
+void check_rotations(const std::vector<RegisteredBucket>& buckets) {
+  const size_t n = buckets.size();
+  for (size_t r = 1; r < n; ++r) {
+    if (n % r != 0) continue;  // a rotation maps the sequence onto itself only for divisors
+    bool kinds_repeat = true, layers_repeat = true;
+    for (size_t b = 0; b < n && kinds_repeat; ++b) {
+      const RegisteredBucket &x = buckets[b], &y = buckets[(b + r) % n];
+      kinds_repeat = x.count == y.count && x.dtype == y.dtype;
+      layers_repeat = layers_repeat && same_layers(x, y);
+    }
+    if (kinds_repeat && !layers_repeat)
+      throw JsonError("buckets: the counts and dtypes repeat every " + num(r) + " bucket" + (r == 1 ? "" : "s") +
+                      " but the layers do not, so a call cannot tell buckets[0] from buckets[" + num(r) +
+                      "]; register each bucket's layers in one file per layout, or keep the buckets' counts apart "
+                      "(DDP's bucket_cap_mb)");
+  }
+}
+
 void validate_all(const Registration& registration) {
   if (registration.buckets.empty()) throw JsonError("buckets: empty; a registration needs at least one bucket");
+  if (registration.buckets.size() > Registration::kMaxBuckets)
+    throw JsonError("buckets: " + num(registration.buckets.size()) + " buckets; lgreco accepts at most " +
+                    num(Registration::kMaxBuckets));
   std::map<std::string, std::string> names;
   for (size_t b = 0; b < registration.buckets.size(); ++b) validate_bucket(registration.buckets[b], b, &names);
+  check_rotations(registration.buckets);
 }
 
 std::string prefixed(const std::string& source, const char* what) {
@@ -191,11 +227,15 @@ Registration load_registration(const std::string& path) {
   std::string text;
   char chunk[1 << 16];
   size_t n;
-  while ((n = fread(chunk, 1, sizeof chunk, file)) > 0) text.append(chunk, n);
+  while ((n = fread(chunk, 1, sizeof chunk, file)) > 0 && text.size() <= Registration::kMaxFileBytes)
+    text.append(chunk, n);
   const bool failed = ferror(file);
   const int error = errno;
   fclose(file);
   if (failed) throw RegistrationError(path + ": cannot read: " + strerror(error));
+  if (text.size() > Registration::kMaxFileBytes)
+    throw RegistrationError(path + ": larger than " + num(Registration::kMaxFileBytes >> 20) +
+                            " MiB; not a registration file");
   return parse_registration(text, path);
 }
 

@@ -55,6 +55,9 @@ struct Registration {
   static constexpr int kVersion = 1;
   // Larger counts are surely a mistake, and keep every sum of counts far from overflow.
   static constexpr uint64_t kMaxCount = uint64_t{1} << 48;
+  // The matcher learns the call pattern from its last few thousand calls.
+  static constexpr size_t kMaxBuckets = 4096;
+  static constexpr size_t kMaxFileBytes = size_t{256} << 20;
 
   std::string source;  // file name, for messages
   std::string model;
@@ -71,7 +74,9 @@ Registration load_registration(const std::string& path);
 
 // Checks the invariants parse_registration guarantees (for registrations built in code,
 // such as auto-mode layouts): contiguous layers covering exactly `count`, shapes whose
-// product is numel, unique names. Throws RegistrationError.
+// product is numel, unique names, at most kMaxBuckets buckets, and a sequence of counts
+// and dtypes that tells the buckets apart (if it repeats with a shorter period, the
+// buckets it confuses must have the same layers). Throws RegistrationError.
 void validate(const Registration& registration);
 
 // ---------------------------------------------------------------------------------------

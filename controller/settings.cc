@@ -13,13 +13,7 @@ ControllerSettings settings_from_params(const config::Params& p, int rank) {
   if (!parse_metric(p.error_metric, &s.metric))
     throw std::invalid_argument("LGRECO_ERROR_METRIC=" + p.error_metric + ": not a metric");
   s.schedule = ScheduleSettings{p.warmup, p.period, p.window, p.switch_lag};
-  try {
-    Schedule check(s.schedule);
-  } catch (const std::invalid_argument& e) {
-    throw std::invalid_argument("LGRECO_WARMUP=" + std::to_string(p.warmup) + ", LGRECO_PERIOD=" +
-                                std::to_string(p.period) + ", LGRECO_WINDOW=" + std::to_string(p.window) +
-                                ", LGRECO_SWITCH_LAG=" + std::to_string(p.switch_lag) + ": " + e.what());
-  }
+  if (const std::string e = config::schedule_error(p); !e.empty()) throw std::invalid_argument(e);
   s.solver.tolerance = p.solver_tolerance;
   if (!p.decision_log.empty()) {
     std::string error;

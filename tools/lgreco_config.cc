@@ -39,7 +39,7 @@ std::string elements(uint64_t n) {
   return text;
 }
 
-// One line of summary per file, and notes a user should know about.
+// A few lines of summary per file: what is compressed, and why the rest is not.
 void summarise(const config::Registration& r) {
   uint64_t total = 0, compressed = 0;
   size_t adaptive = 0, pinned = 0;
@@ -61,10 +61,6 @@ void summarise(const config::Registration& r) {
   printf("  compressed: %zu layers adaptively, %zu pinned; %s elements (%.1f%%)\n", adaptive, pinned,
          elements(compressed).c_str(), total ? 100.0 * compressed / total : 0.0);
   for (const auto& [reason, n] : never) printf("  not compressed: %zu layers (%s)\n", n, reason.c_str());
-  for (size_t b = 1; b < r.buckets.size(); ++b)
-    if (r.buckets[b].count == r.buckets[0].count && r.buckets[b].dtype == r.buckets[0].dtype)
-      printf("  note: buckets[%zu] has the count and dtype of buckets[0]; steps are then told apart by the "
-             "buffer's address and the order of calls\n", b);
 }
 
 int check(const std::vector<std::string>& files) {
@@ -90,10 +86,12 @@ int show() {
   for (const CodecSpec& c : p.candidates) candidates += (candidates.empty() ? "" : ";") + c.str();
   printf("# candidates in effect: %s\n", candidates.c_str());
   std::vector<std::string> errors = p.errors;
-  try {
-    controller::settings_from_params(p, 0);
-  } catch (const std::invalid_argument& e) {
-    errors.push_back(e.what());
+  if (p.valid()) {
+    try {  // what the library builds from them at a communicator's start
+      controller::settings_from_params(p, 0);
+    } catch (const std::invalid_argument& e) {
+      errors.push_back(e.what());
+    }
   }
   if (!p.registration.empty()) {
     try {

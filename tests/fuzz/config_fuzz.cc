@@ -1,6 +1,7 @@
 // libFuzzer target for the parsers that read what users write: registration files,
-// parameter files and values, codec specs, and the bucket matcher fed by a parsed
-// registration. Built and run by `make fuzz` (and briefly by `make test`); any input
+// parameter files and values, codec specs, and the bucket matcher (fed by a parsed
+// registration, and by call sequences decoded from the input). The first byte picks the
+// target: '0' registration, '1' parameters, '2' codec spec, '3' call sequence. Built and run by `make fuzz` (and briefly by `make test`); any input
 // that crashed it once lives in tests/fuzz/corpus/ and is replayed every run.
 //
 // Every parser must either succeed with a result that keeps its invariants or throw its
@@ -85,12 +86,47 @@ void fuzz_params(std::string_view text) {
   config::expand_path_pattern(std::string(text.substr(0, 64)), "hpr", 3, &path, &error);
 }
 
+// Calls decoded from the bytes (two per call: buffer and size), through an auto-mode
+// matcher and a registered-mode one, checking what every Match promises.
+void fuzz_matcher(std::string_view bytes) {
+  const uint64_t sizes[] = {2048, 3000, 4096, 5000, 8192, 8192 + 1024, 70000, 1};
+  auto registration = std::make_shared<config::Registration>();
+  for (uint64_t count : {4096, 8192, 4096, 70000}) {
+    config::RegisteredBucket b;
+    b.count = count;
+    b.layers.push_back({"l" + std::to_string(registration->buckets.size()), 0, count, {count}, true, {}});
+    registration->buckets.push_back(b);
+  }
+  config::MatcherSettings settings;
+  settings.min_bytes = 8192;
+  settings.segment_bytes = 4096;
+  config::BucketMatcher automatic(nullptr, settings), registered(registration, settings);
+  uint64_t last_auto = 0, last_registered = 0;
+  for (size_t i = 0; i + 1 < bytes.size(); i += 2) {
+    const config::CallKey call{0x1000u + (static_cast<uint8_t>(bytes[i]) % 16) * 0x100u,
+                               sizes[static_cast<uint8_t>(bytes[i + 1]) % 8], DType::kFloat32};
+    for (auto* m : {&automatic, &registered}) {
+      const config::Match r = m->match(call);
+      uint64_t& last = m == &automatic ? last_auto : last_registered;
+      if (r.step < last) fail("step went backwards");
+      last = r.step;
+      if (r.kind == config::Match::Kind::kPassThrough) {
+        if (!r.reason || r.layout) fail("pass-through without a reason, or with a layout");
+        continue;
+      }
+      if (!r.layout || r.layout->count != call.count || r.layout->dtype != call.dtype) fail("layout of another size");
+      if (r.kind == config::Match::Kind::kRegistered && r.layout != &registration->buckets[r.bucket])
+        fail("registered layout is not the bucket's");
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size == 0) return 0;
   const std::string_view text(reinterpret_cast<const char*>(data) + 1, size - 1);
-  switch (data[0] % 3) {
+  switch (data[0] % 4) {
     case 0: fuzz_registration(text); break;
     case 1: fuzz_params(text); break;
     case 2:
@@ -99,6 +135,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       } catch (const CodecError&) {
       }
       break;
+    case 3: fuzz_matcher(text); break;
   }
   return 0;
 }

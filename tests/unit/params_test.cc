@@ -204,6 +204,56 @@ BOOST_AUTO_TEST_CASE(a_named_file_that_cannot_be_read_is_an_error_others_a_warni
   BOOST_TEST(u.alpha == 0.5);  // the next file is still read
 }
 
+BOOST_AUTO_TEST_CASE(review_regressions) {
+  // A schedule that breaks its rules is a configuration error at load, like any value.
+  FakeSources window;
+  window.env("LGRECO_WINDOW", "500");
+  const config::Params w = window.load();
+  BOOST_TEST_REQUIRE(w.errors.size() == 1u);
+  BOOST_TEST(contains(w.errors[0], "LGRECO_WINDOW=500, LGRECO_SWITCH_LAG=3: window 500: must be between 1"), w.errors[0]);
+  BOOST_TEST((w.effective_mode() == config::Mode::kOff));
+  // An empty environment value is unset: the file's value applies. So does an empty line.
+  FakeSources empty;
+  empty.files["/home/u/.lgreco.conf"] = "LGRECO_MODE=uniform\nLGRECO_MODE=\n";
+  empty.env("LGRECO_MODE", "  ");
+  const config::Params e = empty.load();
+  BOOST_TEST((e.mode == config::Mode::kUniform));
+  BOOST_TEST(e.entry("LGRECO_MODE")->origin.str() == "/home/u/.lgreco.conf:1");
+  // Control characters (a binary file, a NUL inside a value) make a line ignored.
+  FakeSources binary;
+  const char with_nul[] = "LGRECO_WINDOW=5\0garbage\nLGRECO_PERIOD=50\n";
+  binary.files["/home/u/.lgreco.conf"] = std::string(with_nul, sizeof with_nul - 1);
+  const config::Params b = binary.load();
+  BOOST_TEST(b.window == 10u);
+  BOOST_TEST(b.period == 50u);
+  BOOST_TEST(contains(all_warnings(b), "/home/u/.lgreco.conf:1: holds a control character"), all_warnings(b));
+  // 32 listed candidates and a default outside them make 33: an error, not a silent 33rd.
+  std::string list;
+  for (int bucket = 1; bucket <= 32; ++bucket) list += (list.empty() ? "" : ";") + ("quant:bits=2,bucket=" + std::to_string(bucket * 32));
+  FakeSources many;
+  many.env("LGRECO_CANDIDATES", list);
+  const config::Params m = many.load();
+  BOOST_TEST_REQUIRE(m.errors.size() == 1u, all_errors(m));
+  BOOST_TEST(contains(m.errors[0], "make 33"));
+}
+
+BOOST_AUTO_TEST_CASE(oversized_or_unreadable_parameter_files_are_named) {
+  test::TempDir dir;
+  const std::string big = dir.file("big.conf");
+  {
+    std::ofstream out(big);
+    for (int i = 0; i < 120000; ++i) out << "# padding line number " << i << "\n";
+    out << "LGRECO_MODE=off\n";
+  }
+  const std::string tool = test::bin_dir() + "/lgreco-config";
+  const auto r = test::run_command("env -i LGRECO_CONF_FILE=" + big + " " + tool + " show");
+  BOOST_TEST(r.exit_code == 1, r.output);
+  BOOST_TEST(contains(r.output, "larger than 1 MiB; not a parameter file"), r.output);
+  const auto d = test::run_command("env -i LGRECO_CONF_FILE=" + dir.file("") + " " + tool + " show");
+  BOOST_TEST(d.exit_code == 1, d.output);
+  BOOST_TEST(contains(d.output, "Is a directory"), d.output);
+}
+
 BOOST_AUTO_TEST_CASE(byte_sizes_accept_binary_suffixes) {
   for (const auto& [text, bytes] : {std::pair{"4096", 4096ull}, {"8K", 8192ull}, {"3m", 3ull << 20}, {"1G", 1ull << 30}}) {
     FakeSources s;

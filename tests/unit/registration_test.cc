@@ -237,6 +237,46 @@ BOOST_AUTO_TEST_CASE(random_files_parse_and_random_faults_are_caught) {
   }
 }
 
+BOOST_AUTO_TEST_CASE(deep_nesting_and_huge_values_give_short_errors) {
+  // 100,000 nested arrays crashed the message writer (nlohmann's dump recurses).
+  const std::string deep = "{\"version\": " + std::string(100000, '[') + std::string(100000, ']') + "}";
+  const std::string error = error_of(deep);
+  BOOST_TEST(contains(error, "nested deeper than 32 levels"), error.substr(0, 200));
+  json j = example();
+  j["buckets"][0]["count"] = json::array({json::array({1, 2, 3})});
+  BOOST_TEST(contains(error_of_json(j), "buckets[0].count: an array; expected"), error_of_json(j));
+  j = example();
+  j["buckets"][0]["layers"][0]["name"] = std::string(500, 'x');
+  j["buckets"][0]["layers"][0]["offset"] = "a long string " + std::string(200, 'y');
+  BOOST_TEST(error_of_json(j).size() < 800u);
+}
+
+BOOST_AUTO_TEST_CASE(counts_that_cannot_tell_buckets_apart_are_refused) {
+  // Counts repeating every 2 buckets with different layers: a call cannot tell bucket 0
+  // from bucket 2.
+  json j = example();
+  json bucket = j["buckets"][0];
+  json other = bucket;
+  other["count"] = 5000;
+  other["layers"] = json::parse(R"([{"name": "o", "offset": 0, "numel": 5000, "shape": [50, 100]}])");
+  json twin = bucket;  // bucket 0's count with another layout
+  twin["layers"][0]["shape"] = {4096, 1024};
+  twin["layers"][0]["name"] = "twin.weight";
+  twin["layers"][1]["name"] = "twin.bias";
+  json other2 = other;
+  other2["layers"][0]["name"] = "o2";
+  j["buckets"] = json::array({bucket, other, twin, other2});
+  BOOST_TEST(contains(error_of_json(j), "buckets: the counts and dtypes repeat every 2 buckets but the layers do not"),
+             error_of_json(j));
+  // The same with identical layers (only names differ) is harmless and accepted.
+  twin["layers"][0]["shape"] = {1024, 4096};
+  j["buckets"] = json::array({bucket, other, twin, other2});
+  BOOST_TEST(error_of_json(j) == "(no error)");
+  // Shared counts that do not repeat periodically are fine (BERT: 12 equal encoder buckets).
+  j["buckets"] = json::array({other, bucket, twin});
+  BOOST_TEST(error_of_json(j) == "(no error)");
+}
+
 BOOST_AUTO_TEST_CASE(files_that_cannot_be_read_are_named) {
   try {
     config::load_registration("/nonexistent/registration.json");
