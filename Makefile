@@ -80,7 +80,7 @@ help:
 	@echo "make test-tsan  the controller's thread tests under ThreadSanitizer"
 	@echo "make test-python  tools/lgreco-register's tests (needs torch for $(PYTHON))"
 	@echo "make fuzz       the registration/parameter parsers under libFuzzer for FUZZ_SECONDS ($(FUZZ_SECONDS))"
-	@echo "make bench      CPU codec and solver benchmarks (one core), as tables"
+	@echo "make bench      CPU codec, solver and call-matching benchmarks (one core), as tables"
 	@echo "make demo       deps + build + the quantization codec on a real model's layers"
 	@echo "make install    PREFIX=$(PREFIX): library, plugin name, tools, docs"
 	@echo "CUDA: $(if $(HAVE_CUDA),$(NVCC),not found (CPU-only build))"
@@ -206,9 +206,10 @@ test-tsan: $(TSAN_BIN)
 	TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" LGRECO_DEBUG=NONE \
 	  $(TSAN_BIN) --report_level=short --log_level=warning
 
-bench: $(BUILD)/bin/lgreco-codec-bench $(BUILD)/bin/lgreco-solve-bench
+bench: $(BUILD)/bin/lgreco-codec-bench $(BUILD)/bin/lgreco-solve-bench $(BUILD)/bin/lgreco-match-bench
 	$(BUILD)/bin/lgreco-codec-bench
 	$(BUILD)/bin/lgreco-solve-bench
+	$(BUILD)/bin/lgreco-match-bench
 
 demo: deps
 	@$(MAKE) --no-print-directory all

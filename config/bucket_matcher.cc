@@ -7,12 +7,6 @@ namespace lgreco::config {
 
 namespace {
 
-// Auto mode: the longest pattern looked for after a buffer outside the pattern started
-// recurring; if none is found within twice that many calls, the buffer is ignored (a rare
-// periodic call, such as an evaluation every N steps, must not stretch a step to N).
-constexpr size_t kMaxAutoPeriod = 1024;
-constexpr size_t kMaxIgnored = 256;
-
 bool same_kind(const RegisteredBucket& bucket, const CallKey& call) {
   return bucket.count == call.count && bucket.dtype == call.dtype;
 }
@@ -41,71 +35,154 @@ RegisteredBucket auto_layout(uint64_t count, DType dtype, uint64_t segment_bytes
 
 BucketMatcher::BucketMatcher(std::shared_ptr<const Registration> registration, MatcherSettings settings)
     : registration_(std::move(registration)), settings_(settings) {
-  if (registration_) compressed_at_.assign(registration_->buckets.size(), CallKey{});
+  if (registration_) {
+    compressed_at_.assign(registration_->buckets.size(), CallKey{});
+    candidate_ = registration_->buckets.size();  // the registered pattern has n calls
+    for (const RegisteredBucket& b : registration_->buckets) registered_kinds_.insert({b.count, b.dtype});
+  }
 }
 
 bool BucketMatcher::considered(const CallKey& call) const {
-  if (registration_) {
-    for (const RegisteredBucket& b : registration_->buckets)
-      if (same_kind(b, call)) return true;
-    return false;
-  }
-  return call.count * dtype_size(call.dtype) >= settings_.min_bytes && !ignored_.count(call);
+  if (registration_) return registered_kinds_.count({call.count, call.dtype}) > 0;
+  return call.count * dtype_size(call.dtype) >= settings_.min_bytes;
 }
 
-void BucketMatcher::remember(const CallKey& call) {
-  history_.push_back(call);
-  ++history_count_[call];
-  if (history_.size() > kHistory) {
-    const auto it = history_count_.find(history_.front());
-    if (--it->second == 0) history_count_.erase(it);
-    history_.pop_front();
-  }
-  ++calls_;
-}
+// ---------------------------------------------------------------------------------------
+// Learning
 
-bool BucketMatcher::learn(const CallKey& call) {
-  if (history_count_[call] < 2) return false;  // only a recurring buffer can close a period
-  // The recurring calls: one-off buffers left out.
-  std::vector<const CallKey*> recurring;
-  recurring.reserve(history_.size());
-  for (const CallKey& k : history_)
-    if (history_count_[k] >= 2) recurring.push_back(&k);
-  const size_t size = recurring.size();
-  size_t period = 0;
-  if (registration_) {
-    period = registration_->buckets.size();
+BucketMatcher::Recurrence BucketMatcher::note_call(const CallKey& call) {
+  const uint64_t index = calls_++;
+  Recurrence r;
+  auto [it, fresh] = history_.try_emplace(call);
+  History& h = it->second;
+  r.previous_call = h.last_call;
+  r.recurring = !fresh && index - h.last_call <= kHistory;
+  h.last_call = index;
+  if (!r.recurring) {
+    h.recurring_calls = 0;
   } else {
-    for (size_t back = 1; back < size; ++back)  // where this buffer occurred before
-      if (*recurring[size - 1 - back] == call) {
-        period = back;
-        break;
-      }
-    if (period < std::max<size_t>(min_period_, 1) || period > kMaxAutoPeriod) return false;
+    const uint64_t position = recurring_count_++;
+    if (h.recurring_calls > 0) {
+      h.previous_gap = h.gap;
+      h.gap = position - h.last_recurring;
+    }
+    h.last_recurring = position;
+    ++h.recurring_calls;
+    recurring_.push_back(call);
+    if (recurring_.size() > kHistory) recurring_.pop_front();
   }
-  if (period == 0 || 2 * period > size) return false;
-  for (size_t j = 0; j < period; ++j)
-    if (*recurring[size - 2 * period + j] != *recurring[size - period + j]) return false;
-  std::vector<CallKey> calls;
-  for (size_t j = size - period; j < size; ++j) calls.push_back(*recurring[j]);
-  if (registration_) return adopt_registered(std::move(calls));
-  // After a buffer outside the old pattern began to recur, the longer pattern must keep
-  // at least as many buffers called once per step: a rare periodic call would otherwise
-  // stretch the step to its period, where the gradient buckets occur many times.
-  if (pending_outside_ && once_per_step(calls) < required_once_) return false;
-  adopt_auto(std::move(calls));
-  return true;
+  if (history_.size() > 4 * kHistory) {  // forget buffers not called for kHistory calls
+    for (auto i = history_.begin(); i != history_.end();)
+      i = index - i->second.last_call > kHistory ? history_.erase(i) : std::next(i);
+  }
+  return r;
 }
 
+// Whether a recurring call's buffer belongs to the candidate period: in auto mode, those
+// that recur at least once per `candidate_` recurring calls. A rarer buffer (an evaluation
+// every N steps, a buffer whose count changes) must not break the run of a shorter period.
+bool BucketMatcher::counts_for_candidate(const CallKey& call) const {
+  if (registration_) return true;
+  const History& h = history_.at(call);
+  return h.recurring_calls < 2 || h.gap <= candidate_;
+}
+
+void BucketMatcher::set_candidate(size_t period) {
+  candidate_ = period;
+  tried_ = false;
+  run_ = 0;
+  const size_t size = recurring_.size();
+  for (size_t j = size; j-- > period;) {
+    if (!counts_for_candidate(recurring_[j])) continue;
+    if (recurring_[j] != recurring_[j - period]) break;
+    ++run_;
+  }
+}
+
+void BucketMatcher::learn(const CallKey& call) {
+  // The run: recurring calls of this period's buffers that equal the recurring call
+  // candidate_ positions before. Calls of rarer buffers neither extend nor break it.
+  if (counts_for_candidate(call)) {
+    const size_t size = recurring_.size();
+    if (candidate_ > 0 && size > candidate_ && recurring_[size - 1 - candidate_] == call) {
+      ++run_;
+    } else {
+      run_ = 0;
+      tried_ = false;
+    }
+  }
+  if (registration_) {
+    if (pattern_.empty() && !tried_ && run_ >= candidate_) {
+      tried_ = true;
+      adopt_registered(period_calls(candidate_));
+    }
+    return;
+  }
+  // A buffer with two equal gaps in a row proposes its gap as the period. The current
+  // candidate keeps its place while it repeats and has not been tried, so that neither a
+  // run of workspace calls nor a rare periodic buffer can interrupt it.
+  const History& h = history_.at(call);
+  if (h.recurring_calls >= 3 && h.gap == h.previous_gap && h.gap != candidate_ && h.gap <= kMaxAutoPeriod &&
+      !recently_tried(h.gap) && (candidate_ == 0 || tried_ || run_ < candidate_))
+    set_candidate(h.gap);
+  try_auto();
+}
+
+// A period is tried again only after the calls have had time to change (a buffer's first
+// gaps, before it settles, can make a period look worse than it is).
+bool BucketMatcher::recently_tried(size_t period) const {
+  const auto it = tried_periods_.find(period);
+  return it != tried_periods_.end() && calls_ - it->second < kHistory / 4;
+}
+
+// The calls of one period: those of the period's buffers among the last `period`
+// recurring calls.
+std::vector<CallKey> BucketMatcher::period_calls(size_t period) const {
+  std::vector<CallKey> calls;
+  for (auto k = recurring_.end() - static_cast<std::ptrdiff_t>(period); k != recurring_.end(); ++k)
+    if (counts_for_candidate(*k)) calls.push_back(*k);
+  return calls;
+}
+
+// Counts the buffers called once per step in a period.
 size_t BucketMatcher::once_per_step(const std::vector<CallKey>& period) {
-  std::map<CallKey, uint32_t> occurrences;
-  for (const CallKey& k : period) ++occurrences[k];
+  std::map<CallKey, uint32_t> n;
+  for (const CallKey& k : period) ++n[k];
   size_t once = 0;
-  for (const auto& [key, n] : occurrences) once += n == 1;
+  for (const auto& [key, count] : n) once += count == 1;
   return once;
 }
 
-bool BucketMatcher::adopt_registered(std::vector<CallKey> period) {
+// Whether period a (with a_once buffers called once per step) explains the calls better
+// than period b: gradient buckets are called once per iteration, so the iteration is the
+// period with the largest share of once-per-step calls (a run of workspace calls has
+// fewer; a longer cycle, where each gradient bucket occurs many times, has far fewer).
+// Ties: more once-per-step buffers, then the shorter period.
+static bool better(size_t a_once, size_t a_period, size_t b_once, size_t b_period) {
+  if (a_once * b_period != b_once * a_period) return a_once * b_period > b_once * a_period;
+  if (a_once != b_once) return a_once > b_once;
+  return a_period < b_period;
+}
+
+void BucketMatcher::try_auto() {
+  if (tried_ || candidate_ == 0 || run_ < std::max(candidate_, kMinAutoRun)) return;
+  tried_ = true;
+  tried_periods_[candidate_] = calls_;
+  // The buffers this period leaves out (rarer ones) must be a small part of the calls:
+  // else it is a run inside a longer pattern (workspace calls between gradient buckets).
+  size_t total = 0, included = 0;
+  const size_t span = std::max(2 * candidate_, kMinAutoRun);
+  for (auto k = recurring_.rbegin(); k != recurring_.rend() && included < span; ++k, ++total)
+    included += counts_for_candidate(*k);
+  if ((total - included) * kMaxLeftOut.den > total * kMaxLeftOut.num) return;
+  std::vector<CallKey> period = period_calls(candidate_);
+  const size_t once = once_per_step(period);
+  if (once == 0) return;
+  if (!pattern_.empty() && !better(once, period.size(), once_per_step(pattern_), pattern_.size())) return;
+  adopt_auto(std::move(period));
+}
+
+bool BucketMatcher::adopt_registered(const std::vector<CallKey>& period) {
   const std::vector<RegisteredBucket>& buckets = registration_->buckets;
   const size_t n = buckets.size();
   if (std::set<CallKey>(period.begin(), period.end()).size() != n) return false;
@@ -119,37 +196,47 @@ bool BucketMatcher::adopt_registered(std::vector<CallKey> period) {
     if (fits) first = start;
   }
   if (first == n) return false;
-  pattern_.clear();
+  drop_pattern();
   for (size_t b = 0; b < n; ++b) {
     pattern_.push_back(period[(first + b) % n]);
     target_[pattern_.back()] = static_cast<uint32_t>(b);
+    in_pattern_[pattern_.back()] = 1;
   }
   next_ = (n - first) % n;  // the call after the period's last one
-  started_ = false;
+  last_pattern_call_ = calls_;
+  ++adoptions_;
   return true;
 }
 
 void BucketMatcher::adopt_auto(std::vector<CallKey> period) {
+  drop_pattern();  // a better period replaces the old one; the periods tried stay tried
   pattern_ = std::move(period);
-  std::map<CallKey, uint32_t> occurrences;
-  for (const CallKey& k : pattern_) ++occurrences[k];
+  for (const CallKey& k : pattern_) ++in_pattern_[k];
   uint32_t index = 0;
   for (const CallKey& k : pattern_)
-    if (occurrences[k] == 1) target_[k] = index++;
+    if (in_pattern_[k] == 1) target_[k] = index++;
   if (compressed_at_.size() < index) compressed_at_.resize(index);
-  next_ = 0;
-  started_ = false;
-  min_period_ = 0;
-  pending_outside_ = false;
+  next_ = 0;  // the period ended with this call
+  last_pattern_call_ = calls_;
+  ++adoptions_;
 }
 
 void BucketMatcher::drop_pattern() {
   pattern_.clear();
   target_.clear();
-  outside_seen_.clear();
+  in_pattern_.clear();
   next_ = 0;
   started_ = false;
 }
+
+void BucketMatcher::forget_pattern() {
+  drop_pattern();
+  tried_periods_.clear();  // the calls changed: every period may be worth trying again
+  tried_ = false;
+}
+
+// ---------------------------------------------------------------------------------------
+// Following
 
 const RegisteredBucket* BucketMatcher::auto_layout_for(const CallKey& call) {
   const auto key = std::make_pair(call.count, call.dtype);
@@ -163,36 +250,37 @@ const RegisteredBucket* BucketMatcher::auto_layout_for(const CallKey& call) {
   return it->second.get();
 }
 
-Match BucketMatcher::follow(const CallKey& call) {
+Match BucketMatcher::outside(const Recurrence& r) {
   Match m;
+  m.step = step_;
+  if (!r.recurring) {
+    m.reason = "not part of the repeating call pattern (a buffer called for the first time)";
+    return m;
+  }
+  if (r.previous_call > last_pattern_call_) {
+    // No call of the pattern since this buffer's previous call: the pattern's buffers are
+    // gone (a new model, reallocated buckets).
+    forget_pattern();
+    m.reason = "the call pattern stopped (its buffers are no longer called); learning it again";
+    return m;
+  }
+  m.reason = registration_ ? "not a registered bucket's buffer (another tensor with a registered count and dtype)"
+                           : "not part of the repeating call pattern";
+  return m;
+}
+
+Match BucketMatcher::follow(const CallKey& call, const Recurrence& r) {
+  Match m;
+  m.step = step_;
   if (call != pattern_[next_]) {
-    m.step = step_;
-    if (target_.count(call) || std::find(pattern_.begin(), pattern_.end(), call) != pattern_.end()) {
-      drop_pattern();
-      min_period_ = 0;
+    if (in_pattern_.count(call)) {
+      forget_pattern();
       m.reason = "the call pattern broke (a bucket moved, was skipped or came out of turn); learning it again";
       return m;
     }
-    if (registration_) {
-      m.reason = "not a registered bucket's buffer (another tensor with a registered count and dtype)";
-      return m;
-    }
-    if (history_count_[call] >= 2 && outside_seen_.count(call)) {
-      // A buffer outside the pattern recurs: look for a longer pattern that includes it.
-      min_period_ = pattern_.size() + 1;
-      required_once_ = once_per_step(pattern_);
-      pending_outside_ = true;
-      pending_key_ = call;
-      pending_deadline_ = calls_ + 2 * kMaxAutoPeriod;
-      drop_pattern();
-      m.reason = "a buffer outside the call pattern recurs; learning a longer pattern";
-      return m;
-    }
-    if (outside_seen_.size() >= kHistory) outside_seen_.clear();
-    outside_seen_[call] = calls_;
-    m.reason = "not part of the repeating call pattern";
-    return m;
+    return outside(r);
   }
+  last_pattern_call_ = calls_;
   const bool step_begins = next_ == 0;
   next_ = (next_ + 1) % pattern_.size();
   if (step_begins) {
@@ -213,8 +301,7 @@ Match BucketMatcher::follow(const CallKey& call) {
     m.reason = "smaller than LGRECO_MIN_BYTES";
     return m;
   }
-  const RegisteredBucket* layout =
-      registration_ ? &registration_->buckets[target->second] : auto_layout_for(call);
+  const RegisteredBucket* layout = registration_ ? &registration_->buckets[target->second] : auto_layout_for(call);
   if (!layout) {
     m.reason = "too many distinct buffer sizes for auto mode";
     return m;
@@ -239,22 +326,19 @@ Match BucketMatcher::match(const CallKey& call) {
     return m;
   }
   if (!considered(call)) {
-    m.reason = registration_ ? "matches no registered bucket (count and dtype)"
-               : ignored_.count(call) ? "a buffer that recurs irregularly"
-                                      : "smaller than LGRECO_MIN_BYTES";
+    m.reason = registration_ ? "matches no registered bucket (count and dtype)" : "smaller than LGRECO_MIN_BYTES";
     return m;
   }
-  remember(call);
-  if (!pattern_.empty()) return follow(call);
-  if (pending_outside_ && calls_ > pending_deadline_) {
-    // No longer pattern includes that buffer: ignore it and find the old one again.
-    if (ignored_.size() >= kMaxIgnored) ignored_.clear();
-    ignored_.insert(pending_key_);
-    pending_outside_ = false;
-    min_period_ = 0;
+  const Recurrence r = note_call(call);
+  const bool had_pattern = !pattern_.empty();
+  const uint64_t adopted_before = adoptions_;
+  if (r.recurring) learn(call);
+  if (adoptions_ != adopted_before) {  // this call completed a newly learned pattern
+    m.reason = "call pattern just learned; compression starts with its next step";
+    return m;
   }
-  learn(call);
-  m.reason = registration_ ? "waiting for the registered buckets to repeat twice (first steps, or they changed)"
+  if (had_pattern && !pattern_.empty()) return follow(call, r);
+  m.reason = registration_ ? "waiting for the registered buckets to repeat twice in a row (first steps, or they changed)"
                            : "waiting for a repeating pattern of buffers (first steps, or they changed)";
   return m;
 }

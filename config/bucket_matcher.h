@@ -3,31 +3,37 @@
 // thread at a time (NCCL's rule for a communicator). Pure logic: no CUDA, no NCCL.
 //
 // A data-parallel job repeats the same allreduce calls every iteration: DDP calls its
-// buckets, in the same order, at the same addresses. The matcher learns that repeating
+// buckets in the same order, at the same addresses. The matcher learns that repeating
 // pattern from the calls themselves and compresses only calls that follow it:
 //
 //   considered calls   registered mode: calls whose (count, dtype) is a registered
 //                      bucket's; auto mode: calls of at least min_bytes
-//   recurring calls    considered calls whose buffer (address, count, dtype) occurred
-//                      before among the last kHistory considered calls; one-off buffers
-//                      (activations at fresh addresses, a temporary) are ignored
-//   pattern            the sequence of recurring calls that repeated exactly twice in a
-//                      row: registered mode, n distinct buffers whose counts and dtypes
-//                      are the n registered buckets' in order (the bucket of each buffer
-//                      follows); auto mode, the shortest repeating sequence
+//   recurring calls    considered calls whose buffer (address, count, dtype) was already
+//                      called among the last kHistory considered calls. A buffer's first
+//                      call never is one, so buffers at fresh addresses (activations,
+//                      temporaries) never take part in a pattern.
+//   pattern            registered mode: n distinct recurring buffers that came twice in a
+//                      row in the same order, with the counts and dtypes of the n
+//                      registered buckets (so each buffer's bucket follows). Auto mode: a
+//                      period that repeated for at least kMinAutoRun calls among the
+//                      buffers that recur at least once per period (rarer ones, such as an
+//                      evaluation every N steps, are left out if they are at most 30% of
+//                      the calls); of several, the one whose share of once-per-step calls
+//                      is largest (gradient buckets are called once per iteration, a
+//                      workspace several times).
 //   steps              a step begins each time the pattern's first call comes again, so
 //                      steps count iterations; warm-up, periods and switch lags count them
 //
-// Until a pattern has been seen twice, nothing is compressed: DDP's first iteration (its
-// buckets before the rebuild) can never be mistaken for the registered layout. While the
-// calls follow the pattern, its buffers are compressed (auto mode: those called once per
-// step; a buffer called several times per step is a workspace, not a gradient). A call of
-// a pattern buffer out of its turn (a rebuilt or reallocated bucket, a changed model)
-// drops the pattern: everything passes through until a new one has been seen twice.
-// Registered mode: other buffers with a registered count and dtype that recur every step
-// make the pattern longer than the registration, so nothing is compressed (safe, and the
-// engine's WARN says why). Auto mode: a buffer outside the pattern that starts recurring
-// makes the matcher look for a longer pattern that includes it.
+// Until a pattern is known, nothing is compressed: DDP's first iteration (its buckets
+// before the rebuild) can never be mistaken for the registered layout. Compression starts
+// with the first step after the pattern was learned. Then the pattern's buffers are
+// compressed (auto mode: those called once per step). The pattern is dropped, and
+// everything passes through until a new one is learned, when a pattern buffer comes out
+// of turn (a rebuilt or reallocated bucket) or when a buffer outside the pattern recurs
+// with no pattern call since its previous call (the pattern's buffers are gone: a new
+// model). Registered mode: another recurring buffer with a registered count and dtype
+// keeps the registered pattern from ever being learned (lgreco will not guess which buffer
+// is which bucket); one-off buffers do not.
 //
 // Ranks: every rank makes the same calls in the same order (NCCL requires it), and
 // equality of addresses follows the same pattern on every rank as long as their
@@ -40,6 +46,7 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "config/registration.h"
@@ -84,8 +91,13 @@ RegisteredBucket auto_layout(uint64_t count, DType dtype, uint64_t segment_bytes
 
 class BucketMatcher {
  public:
-  // Considered calls remembered to find the pattern; it must repeat within half of them.
+  // Considered calls remembered: a buffer recurs if called again within this many.
   static constexpr size_t kHistory = 8192;
+  // Auto mode: the longest pattern, and the repeated calls needed before one is used.
+  static constexpr size_t kMaxAutoPeriod = 1024;
+  static constexpr size_t kMinAutoRun = 32;
+  // At most this share of recurring calls may be left out of an auto-mode period.
+  static constexpr struct { size_t num, den; } kMaxLeftOut{3, 10};
 
   // registration may be null: auto mode if settings.auto_mode, else nothing matches.
   BucketMatcher(std::shared_ptr<const Registration> registration, MatcherSettings settings);
@@ -97,44 +109,72 @@ class BucketMatcher {
   bool has_pattern() const { return !pattern_.empty(); }
 
  private:
+  struct CallKeyHash {
+    size_t operator()(const CallKey& k) const {
+      return std::hash<uint64_t>()(k.address * 0x9E3779B97F4A7C15ull ^ k.count * 0xC2B2AE3D27D4EB4Full ^
+                                   static_cast<uint64_t>(k.dtype));
+    }
+  };
+  // What is known about a buffer's recent calls.
+  struct History {
+    uint64_t last_call = 0;       // index among considered calls
+    uint64_t last_recurring = 0;  // index among recurring calls (valid if recurring_calls > 0)
+    uint64_t recurring_calls = 0;
+    uint64_t gap = 0, previous_gap = 0;  // between its last three recurring calls
+  };
+
+  struct Recurrence {
+    bool recurring = false;
+    uint64_t previous_call = 0;  // the buffer's previous call (index among considered calls)
+  };
+
   bool considered(const CallKey& call) const;
-  void remember(const CallKey& call);
-  bool learn(const CallKey& call);
-  bool adopt_registered(std::vector<CallKey> period);
+  Recurrence note_call(const CallKey& call);  // updates the histories
+  bool counts_for_candidate(const CallKey& call) const;
+  void set_candidate(size_t period);
+  void learn(const CallKey& call);  // for a recurring call
+  void try_auto();
+  static size_t once_per_step(const std::vector<CallKey>& period);
+  void forget_pattern();
+  bool recently_tried(size_t period) const;
+  bool adopt_registered(const std::vector<CallKey>& period);
   void adopt_auto(std::vector<CallKey> period);
   void drop_pattern();
-  static size_t once_per_step(const std::vector<CallKey>& period);
-  Match follow(const CallKey& call);
+  Match follow(const CallKey& call, const Recurrence& r);
+  Match outside(const Recurrence& r);  // a call that is not the pattern's
   const RegisteredBucket* auto_layout_for(const CallKey& call);
+  std::vector<CallKey> period_calls(size_t period) const;
 
   std::shared_ptr<const Registration> registration_;
+  std::set<std::pair<uint64_t, DType>> registered_kinds_;  // (count, dtype) of some bucket
   MatcherSettings settings_;
   uint64_t step_ = 0;
 
-  // Recent considered calls and how often each buffer occurs among them.
-  std::deque<CallKey> history_;
-  std::map<CallKey, uint32_t> history_count_;
+  std::unordered_map<CallKey, History, CallKeyHash> history_;
+  uint64_t calls_ = 0;              // considered calls so far
+  std::deque<CallKey> recurring_;   // the last recurring calls (at most kHistory)
+  uint64_t recurring_count_ = 0;    // recurring calls so far
 
-  // The learned pattern: the calls of one step, in order, and the next one expected.
+  // Learning: the candidate period (in recurring calls), how many recurring calls of its
+  // buffers (auto mode: those that recur at least once per candidate_ calls) in a row
+  // equal the one candidate_ before, and whether this run was tried; auto mode tries a
+  // period again only kHistory / 4 calls after it last did.
+  size_t candidate_ = 0;
+  size_t run_ = 0;
+  bool tried_ = false;
+  std::map<size_t, uint64_t> tried_periods_;  // period -> when it was tried (considered calls)
+  uint64_t adoptions_ = 0;  // patterns learned so far
+
+  // The pattern: the calls of one step, in order, and the next one expected.
   std::vector<CallKey> pattern_;
   size_t next_ = 0;
-  std::map<CallKey, uint32_t> target_;  // buffer -> bucket (registered) or auto index
   bool started_ = false;  // a step of the pattern has begun since it was learned
-
-  // Auto mode: buffers outside the pattern seen since it was learned; when one of them
-  // recurs, a longer pattern that includes it (at least min_period_ long) is looked for
-  // until pending_deadline_; failing that, the buffer is ignored from then on.
-  std::map<CallKey, size_t> outside_seen_;
-  size_t min_period_ = 0;
-  size_t required_once_ = 0;  // buffers called once per step in the dropped pattern
-  bool pending_outside_ = false;
-  CallKey pending_key_;
-  uint64_t pending_deadline_ = 0;
-  std::set<CallKey> ignored_;
+  uint64_t last_pattern_call_ = 0;  // index among considered calls
+  std::unordered_map<CallKey, uint32_t, CallKeyHash> target_;  // buffer -> bucket / auto index
+  std::unordered_map<CallKey, uint32_t, CallKeyHash> in_pattern_;  // buffer -> calls per step
 
   std::vector<CallKey> compressed_at_;  // per bucket / auto index: the last buffer compressed
   std::map<std::pair<uint64_t, DType>, std::unique_ptr<RegisteredBucket>> auto_layouts_;
-  uint64_t calls_ = 0;  // considered calls so far (history positions)
 };
 
 }  // namespace lgreco::config
