@@ -150,7 +150,7 @@ $(TEST_OBJS): CPPFLAGS += -DBOOST_TEST_DYN_LINK
 # Only the suites that use no CUDA or codec code: small, and quick to instrument.
 # No target_clones: their ifunc resolvers run before the sanitizer's runtime is up.
 TSAN_SRCS := tests/unit/main.cc tests/unit/controller_test.cc $(wildcard controller/*.cc) \
-             config/log.cc config/params.cc config/json_strict.cc kernels/codec_spec.cc
+             config/log.cc config/params.cc config/text_file.cc config/json_strict.cc kernels/codec_spec.cc
 TSAN_OBJS := $(patsubst %,$(BUILD)/tsan/%.o,$(TSAN_SRCS))
 TSAN_BIN  := $(BUILD)/bin/lgreco-controller-tsan-tests
 $(BUILD)/tsan/%.cc.o: %.cc
@@ -185,7 +185,7 @@ test-python: $(BUILD)/bin/lgreco-config
 FUZZ_CXX      ?= clang++
 FUZZ_SECONDS  ?= 300
 TEST_FUZZ_SECONDS ?= 30
-FUZZ_SRCS := tests/fuzz/config_fuzz.cc config/json_strict.cc config/registration.cc config/params.cc \
+FUZZ_SRCS := tests/fuzz/config_fuzz.cc config/json_strict.cc config/registration.cc config/params.cc config/text_file.cc \
              config/log.cc config/bucket_matcher.cc kernels/codec_spec.cc kernels/dtype.cc
 FUZZ_BIN  := $(BUILD)/bin/lgreco-config-fuzz
 $(FUZZ_BIN): $(FUZZ_SRCS) $(wildcard config/*.h kernels/*.h)

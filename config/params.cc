@@ -12,6 +12,8 @@
 #include <map>
 #include <mutex>
 
+#include "config/text_file.h"
+
 extern char** environ;
 
 namespace lgreco::config {
@@ -373,28 +375,11 @@ ParamSources ParamSources::from_process() {
   }
   if (const char* home = getenv("HOME")) sources.home = home;
   sources.read_file = [](const std::string& path, bool* missing, std::string* error) -> std::optional<std::string> {
-    FILE* f = fopen(path.c_str(), "rb");
-    if (!f) {
-      *missing = errno == ENOENT || errno == ENOTDIR;
-      *error = strerror(errno);
-      return std::nullopt;
-    }
-    std::string text;
-    char chunk[4096];
-    size_t n;
-    while ((n = fread(chunk, 1, sizeof chunk, f)) > 0 && text.size() <= kMaxConfBytes) text.append(chunk, n);
-    const int read_errno = errno;
-    const bool failed = ferror(f);
-    fclose(f);
-    if (failed) {
-      *error = strerror(read_errno);  // EISDIR for a directory
-      return std::nullopt;
-    }
-    if (text.size() > kMaxConfBytes) {  // a parameter file is a few lines
-      *error = "larger than 1 MiB; not a parameter file";
-      return std::nullopt;
-    }
-    return text;
+    TextFile file = read_text_file(path, kMaxConfBytes);  // a parameter file is a few lines
+    *missing = file.missing;
+    *error = file.status == TextFile::Status::kTooLarge ? "larger than 1 MiB; not a parameter file" : file.error;
+    if (file.status != TextFile::Status::kOk) return std::nullopt;
+    return std::move(file.text);
   };
   return sources;
 }

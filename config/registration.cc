@@ -1,11 +1,9 @@
 #include "config/registration.h"
 
-#include <cerrno>
-#include <cstdio>
-#include <cstring>
 #include <map>
 
 #include "config/json_strict.h"
+#include "config/text_file.h"
 
 namespace lgreco::config {
 
@@ -222,21 +220,15 @@ Registration parse_registration(std::string_view text, const std::string& source
 }
 
 Registration load_registration(const std::string& path) {
-  FILE* file = fopen(path.c_str(), "rb");
-  if (!file) throw RegistrationError(path + ": cannot open: " + strerror(errno));
-  std::string text;
-  char chunk[1 << 16];
-  size_t n;
-  while ((n = fread(chunk, 1, sizeof chunk, file)) > 0 && text.size() <= Registration::kMaxFileBytes)
-    text.append(chunk, n);
-  const bool failed = ferror(file);
-  const int error = errno;
-  fclose(file);
-  if (failed) throw RegistrationError(path + ": cannot read: " + strerror(error));
-  if (text.size() > Registration::kMaxFileBytes)
-    throw RegistrationError(path + ": larger than " + num(Registration::kMaxFileBytes >> 20) +
-                            " MiB; not a registration file");
-  return parse_registration(text, path);
+  const TextFile file = read_text_file(path, Registration::kMaxFileBytes);
+  switch (file.status) {
+    case TextFile::Status::kOk: return parse_registration(file.text, path);
+    case TextFile::Status::kCannotOpen: throw RegistrationError(path + ": cannot open: " + file.error);
+    case TextFile::Status::kCannotRead: throw RegistrationError(path + ": cannot read: " + file.error);
+    case TextFile::Status::kTooLarge: break;
+  }
+  throw RegistrationError(path + ": larger than " + num(Registration::kMaxFileBytes >> 20) +
+                          " MiB; not a registration file");
 }
 
 void validate(const Registration& registration) {
