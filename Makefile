@@ -44,6 +44,7 @@ NVCCFLAGS := -std=c++20 -O3 -g -I. --fmad=false -ccbin $(CXX) \
 
 CORE_SRCS := $(wildcard config/*.cc) $(wildcard controller/*.cc) \
              $(filter-out kernels/cuda_env_none.cc,$(wildcard kernels/*.cc)) \
+             $(wildcard plugin/transport/*.cc) $(wildcard plugin/collective/*.cc) \
              $(wildcard plugin/shim/*.cc)
 ifeq ($(HAVE_CUDA),1)
 CU_SRCS   := $(wildcard kernels/*.cu)

@@ -199,6 +199,24 @@ const ParamInfo kParamTable[] = {
      "Auto mode: the size of the segments a buffer is split into (in the buffer's dtype; rounded down to whole "
      "1024-element groups).",
      BYTES(segment_bytes, 4096, uint64_t{1} << 40)},
+    {"LGRECO_ERROR_FEEDBACK", "1", "`0`, `1`",
+     "`1`: each rank keeps what compression lost (a float32 residual per compressed element) and adds it to the "
+     "next step's gradient, so errors do not accumulate. `0`: one-shot compression, no residual memory.",
+     [](Params& p, const std::string& v) {
+       return parse_choice(v, {std::pair{"0", false}, {"1", true}}, &p.error_feedback);
+     }},
+    {"LGRECO_ALGORITHM", "auto", "`auto`, `sra`, `allgather`",
+     "How compressed buckets are reduced: `sra` (scatter-reduce-allgather: each rank reduces one partition and "
+     "re-encodes it), `allgather` (every rank decodes and sums every rank's encoding; one quantization, more "
+     "bytes from 3 ranks on). `auto`: allgather for 2 ranks or small buckets, else sra.",
+     [](Params& p, const std::string& v) {
+       return parse_choice(v, {std::pair{"auto", std::string("auto")}, {"sra", std::string("sra")},
+                               {"allgather", std::string("allgather")}}, &p.algorithm);
+     }},
+    {"LGRECO_TIMEOUT", "300", "seconds, a whole number from 1 to 86400",
+     "The longest lgreco waits for a peer rank during a compressed exchange before it reports an error naming "
+     "the rank (a dead or stalled process must not hang the others forever).",
+     U64(timeout_seconds, 1, 86400)},
     {"LGRECO_DECISION_LOG", "", "a path; `%h` host, `%p` pid, `%r` rank, `%%` a percent sign",
      "Appends one JSON line per solved assignment (docs/CONTROLLER.md). Unset: no log.",
      [](Params& p, const std::string& v) { return apply_pattern(v, "hpr", &p.decision_log); }},

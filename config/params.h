@@ -52,6 +52,9 @@ struct Params {
   double solver_tolerance = 1e-3;
   uint64_t min_bytes = 256 * 1024;
   uint64_t segment_bytes = 1024 * 1024;
+  bool error_feedback = true;
+  std::string algorithm = "auto";      // auto | sra | allgather (plugin/collective/engine.h)
+  uint64_t timeout_seconds = 300;
   std::string decision_log;            // pattern: %h host, %p pid, %r rank, %% a percent sign
   log::Level debug_level = log::Level::kWarn;
   std::string debug_file;              // pattern: %h, %p, %%; empty: stderr

@@ -84,7 +84,7 @@ Controller::Counters Controller::counters() const {
   return counters_;
 }
 
-void Controller::submit(uint64_t window_last_step, ErrorStats aggregated) {
+void Controller::submit(uint64_t window_last_step, ErrorStats aggregated, std::optional<CostModel> cost_model) {
   if (!schedule_.window_ends(window_last_step))
     throw std::invalid_argument("Controller::submit: step " + std::to_string(window_last_step) +
                                 " does not end a measurement window");
@@ -98,7 +98,8 @@ void Controller::submit(uint64_t window_last_step, ErrorStats aggregated) {
   switches_.emplace_back(epoch, effective);
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    jobs_.push_back(Job{epoch, window_last_step, effective, std::move(aggregated)});
+    jobs_.push_back(Job{epoch, window_last_step, effective, std::move(aggregated),
+                        cost_model ? std::move(*cost_model) : settings_.cost_model});
   }
   work_ready_.notify_one();
 }
@@ -155,11 +156,12 @@ void Controller::run() {
   }
 }
 
-Problem Controller::problem_from(const ErrorStats& stats) const {
+Problem Controller::problem_from(const Job& job) const {
+  const ErrorStats& stats = job.stats;
   Problem p;
   p.alpha = settings_.alpha;
   p.objective = settings_.objective;
-  p.cost_model = settings_.cost_model;
+  p.cost_model = job.cost_model;
   p.layers = layers_;
   for (size_t l = 0; l < p.layers.size(); ++l) {
     Layer& layer = p.layers[l];
@@ -203,7 +205,7 @@ std::shared_ptr<const Assignment> Controller::failed(const Job& job, const char*
 }
 
 std::shared_ptr<const Assignment> Controller::solve_and_log(const Job& job) {
-  const Problem problem = problem_from(job.stats);
+  const Problem problem = problem_from(job);
   const auto start = std::chrono::steady_clock::now();
   Solution solution = solve_(problem, settings_.solver);
   const double solve_ms = ms_since(start);

@@ -28,6 +28,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -81,8 +82,10 @@ class Controller {
   std::shared_ptr<const Assignment> assignment_for_step(uint64_t step);
 
   // Hands over the statistics of the window that ended at window_last_step, already
-  // summed across ranks. Never waits for a solve.
-  void submit(uint64_t window_last_step, ErrorStats aggregated);
+  // summed across ranks, and (for the time objective) the cost model measured over that
+  // window, the same on every rank; without one the settings' model is used. Never waits
+  // for a solve.
+  void submit(uint64_t window_last_step, ErrorStats aggregated, std::optional<CostModel> cost_model = std::nullopt);
 
   // Stops the solver thread (an unfinished solve completes first; queued ones are
   // dropped) and joins it. Later calls of assignment_for_step() return the current
@@ -102,6 +105,7 @@ class Controller {
   struct Job {
     uint64_t epoch, window_last_step, effective_step;
     ErrorStats stats;
+    CostModel cost_model;
   };
   struct Result {
     uint64_t epoch;
@@ -109,7 +113,7 @@ class Controller {
   };
 
   void run();
-  Problem problem_from(const ErrorStats& stats) const;
+  Problem problem_from(const Job& job) const;
   std::shared_ptr<const Assignment> solve_job(const Job& job);  // never throws
   std::shared_ptr<const Assignment> solve_and_log(const Job& job);
   std::shared_ptr<const Assignment> failed(const Job& job, const char* what);

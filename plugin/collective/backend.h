@@ -1,0 +1,123 @@
+// Backend: where the engine's arithmetic runs. The CPU backend (cpu_backend.h) runs the
+// reference codecs on the calling thread; the CUDA backend (the shim issue) launches the
+// kernels of kernels/*.cu on the user's stream.
+//
+// Every operation is enqueued: it takes effect after the operations issued before it
+// and before those issued after it, on the backend's queue (and the fabric's operations
+// share that queue). The CPU backend completes each before returning; a CUDA backend only
+// launches. So the engine never looks at what an operation produced on the host, except
+// through read_back(), whose Event says when the bytes have arrived. Pointers handed to
+// operations are the backend's memory (device memory for CUDA) unless named `host`.
+//
+// Operations work on the segments of a plan (plugin/collective/plan.h) and address a
+// buffer that holds call elements [first, first + n) by an ElementSpan: element i of the
+// call is at data + (i - first). Encoded bytes of segment s are at base + s.byte_offset.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "kernels/codec_spec.h"
+#include "kernels/dtype.h"
+#include "plugin/collective/plan.h"
+
+namespace lgreco::collective {
+
+struct ElementSpan {
+  void* data = nullptr;
+  DType dtype = DType::kFloat32;
+  uint64_t first = 0;  // the call element at data[0]
+};
+
+// Rounding noise of one call: every segment's key is {seed, rank, step, layer_base + layer}
+// (kernels/noise.h). `rank` distinguishes who encodes: a rank's own gradient uses its
+// rank, the owner's re-encoding of a reduced partition uses kReencodeRankBit | owner.
+struct NoiseBase {
+  uint64_t seed = 0;
+  uint32_t rank = 0;
+  uint64_t step = 0;
+  uint32_t layer_base = 0;
+  static constexpr uint32_t kReencodeRankBit = 0x80000000u;
+};
+
+// When the data a read-back copies is on the host.
+class Event {
+ public:
+  virtual ~Event() = default;
+  virtual bool ready() = 0;
+  virtual void wait() = 0;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual std::string name() const = 0;
+
+  // Backend memory, zero-filled; freed when the owner goes. Throws std::bad_alloc.
+  class Buffer {
+   public:
+    virtual ~Buffer() = default;
+    virtual void* data() = 0;
+    virtual uint64_t bytes() const = 0;
+  };
+  virtual std::unique_ptr<Buffer> allocate(uint64_t bytes) = 0;
+
+  virtual void fill_zero(void* data, uint64_t bytes) = 0;
+  virtual void copy(void* dst, const void* src, uint64_t bytes) = 0;
+  virtual void upload(void* dst, const void* host_src, uint64_t bytes) = 0;
+  // Copies to host memory; the Event says when the bytes are there.
+  virtual std::unique_ptr<Event> read_back(void* host_dst, const void* src, uint64_t bytes) = 0;
+
+  // flags[l] = 1 for each layer l of the segments whose input holds a NaN or an
+  // infinity, 0 for the others (flags has one byte per layer of the bucket).
+  virtual void find_nonfinite(const Plan& plan, std::span<const Segment> segments, ElementSpan input,
+                              uint8_t* flags) = 0;
+
+  // Encodes each segment of input (+ residual when not null, with error feedback) into
+  // out + byte_offset_base + s.byte_offset, as plan.codecs[s.codec] with payload element
+  // type plan.dtype. A layer whose flag is set (flags not null) is encoded without its
+  // residual, which stays untouched. input may be float32 for a plan of another dtype
+  // (the reduced sum); the payload is the same.
+  virtual void encode(const Plan& plan, std::span<const Segment> segments, ElementSpan input, float* residual_data,
+                      uint64_t residual_first, const uint8_t* flags, const NoiseBase& noise, uint8_t* out,
+                      uint64_t byte_offset_base) = 0;
+  // Decodes each segment from in + base + s.byte_offset into out (of any element type).
+  virtual void decode(const Plan& plan, std::span<const Segment> segments, const uint8_t* in,
+                      uint64_t byte_offset_base, ElementSpan out) = 0;
+  // acc (float32) += each decoded segment.
+  virtual void decode_accumulate(const Plan& plan, std::span<const Segment> segments, const uint8_t* in,
+                                 uint64_t byte_offset_base, ElementSpan acc) = 0;
+  // acc += input + residual, exactly in float32 (an owner's own contribution, which it
+  // never needs to send); the residual becomes 0, except in flagged layers (untouched,
+  // and not added). residual may be null.
+  virtual void accumulate_exact(const Plan& plan, std::span<const Segment> segments, ElementSpan input,
+                                float* residual_data, uint64_t residual_first, const uint8_t* flags,
+                                ElementSpan acc) = 0;
+  // acc[i] = acc[i] / divisor for n float32 values (the average of ncclAvg).
+  virtual void divide(float* acc, uint64_t n, float divisor) = 0;
+  // out[i] = acc[i] narrowed to out's element type (round to nearest even).
+  virtual void narrow(const float* acc, uint64_t n, ElementSpan out) = 0;
+
+  // The squared error of every candidate on input + residual for each measured layer of
+  // the segments: squared[l * candidates.size() + c] = the layer's total over its
+  // segments (squared errors add across buckets), nonfinite[l] = 1 if any value of the
+  // layer was not finite (its errors are then meaningless). Layers not measured are left
+  // alone. Both outputs are zeroed for the measured layers first.
+  struct Measure {
+    std::span<const CodecSpec> candidates;  // the same list for every layer measured
+    std::span<const uint8_t> measured;      // per layer of the bucket: 1 if measured
+    double* squared = nullptr;              // layers x candidates
+    uint8_t* nonfinite = nullptr;           // layers
+  };
+  virtual void measure(const Plan& plan, std::span<const Segment> segments, ElementSpan input, const float* residual,
+                       uint64_t residual_first, const Measure& m) = 0;
+
+  // Seconds between now and a mark, once the queue has passed the later one: what the
+  // engine's time model needs (CUDA: events; CPU: the clock).
+  virtual uint64_t mark() = 0;
+  virtual double seconds_between(uint64_t first_mark, uint64_t second_mark) = 0;
+};
+
+}  // namespace lgreco::collective

@@ -1,0 +1,165 @@
+#include "plugin/collective/cpu_backend.h"
+
+#include <chrono>
+#include <cstring>
+#include <vector>
+
+#include "kernels/quant_math.h"
+
+namespace lgreco::collective {
+
+namespace {
+
+class HostBuffer final : public Backend::Buffer {
+ public:
+  explicit HostBuffer(uint64_t bytes) : bytes_(bytes), data_(new uint8_t[bytes ? bytes : 1]()) {}
+  void* data() override { return data_.get(); }
+  uint64_t bytes() const override { return bytes_; }
+
+ private:
+  uint64_t bytes_;
+  std::unique_ptr<uint8_t[]> data_;
+};
+
+class DoneEvent final : public Event {
+ public:
+  bool ready() override { return true; }
+  void wait() override {}
+};
+
+const void* element_ptr(const ElementSpan& span, uint64_t element) {
+  return static_cast<const uint8_t*>(span.data) + (element - span.first) * dtype_size(span.dtype);
+}
+void* element_ptr_mut(const ElementSpan& span, uint64_t element) {
+  return static_cast<uint8_t*>(span.data) + (element - span.first) * dtype_size(span.dtype);
+}
+float* residual_of(float* residual_data, uint64_t residual_first, const Segment& s, const uint8_t* flags) {
+  if (!residual_data || (flags && flags[s.layer])) return nullptr;
+  return residual_data + (s.offset - residual_first);
+}
+
+}  // namespace
+
+const Codec& CpuBackend::codec(const CodecSpec& spec, DType dtype) {
+  auto key = std::make_pair(spec.str(), dtype);
+  auto it = codecs_.find(key);
+  if (it == codecs_.end()) it = codecs_.emplace(std::move(key), Codec::create(spec, dtype)).first;
+  return *it->second;
+}
+
+std::unique_ptr<Backend::Buffer> CpuBackend::allocate(uint64_t bytes) { return std::make_unique<HostBuffer>(bytes); }
+void CpuBackend::fill_zero(void* data, uint64_t bytes) {
+  if (bytes) memset(data, 0, bytes);
+}
+void CpuBackend::copy(void* dst, const void* src, uint64_t bytes) {
+  if (bytes && dst != src) memmove(dst, src, bytes);
+}
+void CpuBackend::upload(void* dst, const void* host_src, uint64_t bytes) { copy(dst, host_src, bytes); }
+std::unique_ptr<Event> CpuBackend::read_back(void* host_dst, const void* src, uint64_t bytes) {
+  copy(host_dst, src, bytes);
+  return std::make_unique<DoneEvent>();
+}
+
+void CpuBackend::find_nonfinite(const Plan&, std::span<const Segment> segments, ElementSpan input, uint8_t* flags) {
+  for (const Segment& s : segments) flags[s.layer] = 0;
+  for (const Segment& s : segments) {
+    const void* data = element_ptr(input, s.offset);
+    for (uint64_t i = 0; i < s.count && !flags[s.layer]; ++i)
+      if (!quant::is_finite_value(load_as_float(data, input.dtype, i))) flags[s.layer] = 1;
+  }
+}
+
+void CpuBackend::encode(const Plan& plan, std::span<const Segment> segments, ElementSpan input, float* residual_data,
+                        uint64_t residual_first, const uint8_t* flags, const NoiseBase& noise, uint8_t* out,
+                        uint64_t byte_offset_base) {
+  for (const Segment& s : segments) {
+    const CodecSpec& spec = plan.codecs[s.codec];
+    const void* data = element_ptr(input, s.offset);
+    float* residual = residual_of(residual_data, residual_first, s, flags);
+    uint8_t* dst = out + byte_offset_base + s.byte_offset;
+    if (spec.family() == CodecFamily::kNone && input.dtype != plan.dtype) {
+      // A reduced float32 sum sent uncompressed in the call's element type: rounding it
+      // is the codec, and the residual keeps what rounding lost.
+      for (uint64_t i = 0; i < s.count; ++i) {
+        const float x = load_as_float(data, input.dtype, i);
+        const float v = residual ? x + residual[i] : x;
+        store_from_float(dst, plan.dtype, i, v);
+        if (residual && quant::is_finite_value(v)) residual[i] = v - round_to_dtype(v, plan.dtype);
+      }
+      continue;
+    }
+    const NoiseKey key{noise.seed, noise.rank, noise.step, noise.layer_base + s.layer};
+    codec(spec, input.dtype).encode(key, Slice{data, s.count, s.first_element}, residual, {dst, s.bytes});
+  }
+}
+
+void CpuBackend::decode(const Plan& plan, std::span<const Segment> segments, const uint8_t* in,
+                        uint64_t byte_offset_base, ElementSpan out) {
+  for (const Segment& s : segments)
+    codec(plan.codecs[s.codec], plan.dtype)
+        .decode({in + byte_offset_base + s.byte_offset, s.bytes}, s.count, out.dtype, element_ptr_mut(out, s.offset));
+}
+
+void CpuBackend::decode_accumulate(const Plan& plan, std::span<const Segment> segments, const uint8_t* in,
+                                   uint64_t byte_offset_base, ElementSpan acc) {
+  for (const Segment& s : segments)
+    codec(plan.codecs[s.codec], plan.dtype)
+        .decode_accumulate({in + byte_offset_base + s.byte_offset, s.bytes}, s.count,
+                           static_cast<float*>(element_ptr_mut(acc, s.offset)));
+}
+
+void CpuBackend::accumulate_exact(const Plan&, std::span<const Segment> segments, ElementSpan input,
+                                  float* residual_data, uint64_t residual_first, const uint8_t* flags,
+                                  ElementSpan acc) {
+  for (const Segment& s : segments) {
+    const void* data = element_ptr(input, s.offset);
+    float* residual = residual_of(residual_data, residual_first, s, flags);
+    float* sum = static_cast<float*>(element_ptr_mut(acc, s.offset));
+    for (uint64_t i = 0; i < s.count; ++i) {
+      const float x = load_as_float(data, input.dtype, i);
+      sum[i] += residual ? x + residual[i] : x;
+    }
+    if (residual) memset(residual, 0, s.count * sizeof(float));
+  }
+}
+
+void CpuBackend::divide(float* acc, uint64_t n, float divisor) {
+  for (uint64_t i = 0; i < n; ++i) acc[i] = acc[i] / divisor;
+}
+
+void CpuBackend::narrow(const float* acc, uint64_t n, ElementSpan out) {
+  if (out.dtype == DType::kFloat32) {
+    copy(out.data, acc, n * sizeof(float));
+    return;
+  }
+  for (uint64_t i = 0; i < n; ++i) store_from_float(out.data, out.dtype, i, acc[i]);
+}
+
+void CpuBackend::measure(const Plan&, std::span<const Segment> segments, ElementSpan input, const float* residual,
+                         uint64_t residual_first, const Measure& m) {
+  const size_t c = m.candidates.size();
+  for (const Segment& s : segments) {
+    if (!m.measured[s.layer]) continue;
+    std::fill(m.squared + s.layer * c, m.squared + (s.layer + 1) * c, 0.0);
+    m.nonfinite[s.layer] = 0;
+  }
+  for (const Segment& s : segments) {
+    if (!m.measured[s.layer]) continue;
+    const float* r = residual ? residual + (s.offset - residual_first) : nullptr;
+    const CandidateReport report =
+        measure_candidates(m.candidates, input.dtype, Slice{element_ptr(input, s.offset), s.count, s.first_element}, r);
+    if (report.nonfinite_buckets) m.nonfinite[s.layer] = 1;
+    for (size_t k = 0; k < c; ++k) m.squared[s.layer * c + k] += report.candidates[k].squared_error;
+  }
+}
+
+uint64_t CpuBackend::mark() {
+  return static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+          .count());
+}
+double CpuBackend::seconds_between(uint64_t first_mark, uint64_t second_mark) {
+  return second_mark >= first_mark ? (second_mark - first_mark) * 1e-9 : 0.0;
+}
+
+}  // namespace lgreco::collective

@@ -1,0 +1,51 @@
+// The CPU backend: the reference codecs of kernels/ on the calling thread, host memory.
+// Each operation completes before it returns (kernels/codec.h does the arithmetic, so
+// its bytes are the reference every other backend must reproduce).
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "kernels/codec.h"
+#include "plugin/collective/backend.h"
+
+namespace lgreco::collective {
+
+class CpuBackend final : public Backend {
+ public:
+  std::string name() const override { return "cpu"; }
+
+  std::unique_ptr<Buffer> allocate(uint64_t bytes) override;
+  void fill_zero(void* data, uint64_t bytes) override;
+  void copy(void* dst, const void* src, uint64_t bytes) override;
+  void upload(void* dst, const void* host_src, uint64_t bytes) override;
+  std::unique_ptr<Event> read_back(void* host_dst, const void* src, uint64_t bytes) override;
+
+  void find_nonfinite(const Plan& plan, std::span<const Segment> segments, ElementSpan input,
+                      uint8_t* flags) override;
+  void encode(const Plan& plan, std::span<const Segment> segments, ElementSpan input, float* residual_data,
+              uint64_t residual_first, const uint8_t* flags, const NoiseBase& noise, uint8_t* out,
+              uint64_t byte_offset_base) override;
+  void decode(const Plan& plan, std::span<const Segment> segments, const uint8_t* in, uint64_t byte_offset_base,
+              ElementSpan out) override;
+  void decode_accumulate(const Plan& plan, std::span<const Segment> segments, const uint8_t* in,
+                         uint64_t byte_offset_base, ElementSpan acc) override;
+  void accumulate_exact(const Plan& plan, std::span<const Segment> segments, ElementSpan input, float* residual_data,
+                        uint64_t residual_first, const uint8_t* flags, ElementSpan acc) override;
+  void divide(float* acc, uint64_t n, float divisor) override;
+  void narrow(const float* acc, uint64_t n, ElementSpan out) override;
+  void measure(const Plan& plan, std::span<const Segment> segments, ElementSpan input, const float* residual,
+               uint64_t residual_first, const Measure& m) override;
+
+  uint64_t mark() override;
+  double seconds_between(uint64_t first_mark, uint64_t second_mark) override;
+
+ private:
+  // Codecs are created once per (spec, element type) and kept.
+  const Codec& codec(const CodecSpec& spec, DType dtype);
+  std::map<std::pair<std::string, DType>, std::unique_ptr<Codec>> codecs_;
+};
+
+}  // namespace lgreco::collective

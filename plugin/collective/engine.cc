@@ -1,0 +1,642 @@
+#include "plugin/collective/engine.h"
+
+#include <algorithm>
+#include <cinttypes>
+#include <cstring>
+#include <new>
+#include <stdexcept>
+
+#include "config/log.h"
+#include "controller/settings.h"
+
+namespace lgreco::collective {
+
+namespace {
+
+// Scratch buffers shared by all buckets of the engine, grown to the largest plan.
+enum Scratch : int { kSend = 0, kRecv, kAcc, kReencoded, kGathered, kStats, kScratchCount };
+
+// Below this many encoded bytes per call, auto prefers all-gather's single round.
+constexpr uint64_t kSmallEncoding = 32 * 1024;
+
+// The record every rank contributes when configurations are compared.
+struct AgreementRecord {
+  static constexpr uint32_t kMagic = 0x4c475241;  // "LGRA"
+  uint32_t magic = kMagic;
+  uint32_t ranks = 0;
+  uint8_t valid = 0;     // the rank's configuration is valid and it can compress
+  uint8_t pad[7] = {};
+  uint64_t parameters = 0;  // digest of EngineOptions::parameters_text
+  uint64_t layouts = 0;     // digest of the bucket layouts (registration, policies)
+  uint64_t assignment = 0;  // digest of the assignment about to take effect
+  uint64_t reserved = 0;
+};
+static_assert(sizeof(AgreementRecord) == 48);
+
+uint64_t layouts_digest(const std::vector<BucketLayout>& buckets) {
+  std::string text;
+  for (const BucketLayout& b : buckets) {
+    text += std::to_string(b.count) + ":" + dtype_name(b.dtype) + "{";
+    for (const LayerLayout& l : b.layers) {
+      text += l.name + "@" + std::to_string(l.offset) + "+" + std::to_string(l.numel) + "[";
+      for (const CodecSpec& c : l.candidates) text += c.str() + ";";
+      text += "]" + std::to_string(l.default_index) + ",";
+    }
+    text += "}";
+  }
+  return digest(text);
+}
+
+uint64_t assignment_digest(const controller::Assignment* a) {
+  if (!a) return 0;
+  std::string text = std::to_string(a->epoch) + "@" + std::to_string(a->effective_step) + ":";
+  for (uint32_t c : a->choices) text += std::to_string(c) + ",";
+  return digest(text);
+}
+
+}  // namespace
+
+uint64_t digest(std::string_view text, uint64_t seed) {
+  uint64_t h = seed;
+  for (unsigned char c : text) {
+    h ^= c;
+    h *= 0x100000001b3ull;
+  }
+  return h;
+}
+
+const char* algorithm_name(Algorithm a) {
+  switch (a) {
+    case Algorithm::kAuto: return "auto";
+    case Algorithm::kScatterReduceAllGather: return "sra";
+    case Algorithm::kAllGather: return "allgather";
+  }
+  return "?";
+}
+
+bool parse_algorithm(std::string_view text, Algorithm* a) {
+  for (Algorithm c : {Algorithm::kAuto, Algorithm::kScatterReduceAllGather, Algorithm::kAllGather})
+    if (text == algorithm_name(c)) {
+      *a = c;
+      return true;
+    }
+  return false;
+}
+
+// ---------------------------------------------------------------------------------------
+// Options and layouts
+
+EngineOptions EngineOptions::from_params(const config::Params& p, int rank) {
+  EngineOptions o;
+  o.mode = p.effective_mode();
+  o.codec = p.codec;
+  o.candidates = p.candidates;
+  o.error_feedback = p.error_feedback;
+  if (!parse_algorithm(p.algorithm, &o.algorithm)) o.algorithm = Algorithm::kAuto;
+  if (!p.valid()) {
+    o.valid = false;
+    o.invalid_reason = std::to_string(p.errors.size()) + " invalid LGRECO_* parameter(s): " + p.errors.front();
+  }
+  try {
+    o.controller = controller::settings_from_params(p, rank);
+  } catch (const std::exception& e) {
+    o.valid = false;
+    if (o.invalid_reason.empty()) o.invalid_reason = e.what();
+  }
+  if (o.controller.objective == controller::Objective::kTime &&
+      std::find(o.candidates.begin(), o.candidates.end(), CodecSpec::none()) == o.candidates.end())
+    o.candidates.push_back(CodecSpec::none());
+  // Settings that every rank must share. Paths, logging and the timeout may differ.
+  std::string& t = o.parameters_text;
+  t = std::string("mode=") + config::mode_name(o.mode) + " codec=" + o.codec.str() + " candidates=";
+  for (const CodecSpec& c : o.candidates) t += c.str() + ";";
+  char number[64];
+  snprintf(number, sizeof number, "%a", p.alpha);
+  t += std::string(" alpha=") + number + " objective=" + p.objective + " metric=" + p.error_metric;
+  t += " schedule=" + std::to_string(p.warmup) + "/" + std::to_string(p.period) + "/" + std::to_string(p.window) +
+       "/" + std::to_string(p.switch_lag);
+  snprintf(number, sizeof number, "%a", p.solver_tolerance);
+  t += std::string(" tolerance=") + number + " error_feedback=" + (p.error_feedback ? "1" : "0") +
+       " algorithm=" + p.algorithm + " min_bytes=" + std::to_string(p.min_bytes) +
+       " segment_bytes=" + std::to_string(p.segment_bytes) + " auto=" + (p.auto_mode ? "1" : "0");
+  return o;
+}
+
+BucketLayout layout_from_registration(const config::RegisteredBucket& bucket, const EngineOptions& options) {
+  BucketLayout out;
+  out.count = bucket.count;
+  out.dtype = bucket.dtype;
+  for (const config::RegisteredLayer& layer : bucket.layers) {
+    LayerLayout l;
+    l.name = layer.name;
+    l.offset = layer.offset;
+    l.numel = layer.numel;
+    const config::LayerPolicy policy = config::layer_policy(layer);
+    switch (policy.kind) {
+      case config::LayerPolicy::Kind::kNever: l.candidates = {CodecSpec::none()}; break;
+      case config::LayerPolicy::Kind::kPinned: l.candidates = {policy.codec}; break;
+      case config::LayerPolicy::Kind::kAdaptive:
+        if (options.mode == config::Mode::kAdaptive) {
+          l.candidates = options.candidates;
+          l.default_index = static_cast<uint32_t>(
+              std::find(l.candidates.begin(), l.candidates.end(), options.codec) - l.candidates.begin());
+          if (l.default_index == l.candidates.size()) l.candidates.push_back(options.codec);
+        } else {
+          l.candidates = {options.codec};
+        }
+        break;
+    }
+    out.layers.push_back(std::move(l));
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------
+// Per-bucket state
+
+struct Engine::BucketState {
+  uint32_t layer_base = 0;            // global index of layer 0 (noise keys)
+  std::vector<int32_t> controller_of;  // per layer: index among the controller's layers, or -1
+  std::vector<uint8_t> measured;       // per layer: 1 if adaptive (its candidates are measured)
+  std::unique_ptr<Backend::Buffer> residual;        // error feedback of this rank's encodings
+  std::unique_ptr<Backend::Buffer> owner_residual;  // sra: of the owner's re-encoding
+  uint64_t owner_begin = 0, owner_end = 0;          // the elements owner_residual covers
+  std::unique_ptr<Backend::Buffer> flags;           // one byte per layer: input not finite
+  std::vector<CodecSpec> codecs;                    // per layer, under the current assignment
+  Plan plan;   // the current algorithm's plan (P partitions for sra, 1 for all-gather)
+  Plan whole;  // whole layers, one partition: for measuring
+  Algorithm algorithm = Algorithm::kAllGather;
+};
+
+Engine::Engine(EngineOptions options, std::vector<BucketLayout> buckets, Fabric& fabric, Backend& backend)
+    : options_(std::move(options)), buckets_(std::move(buckets)), fabric_(fabric), backend_(backend) {
+  scratch_.resize(kScratchCount);
+  std::vector<controller::Layer> layers;
+  uint32_t layer_base = 0;
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    validate(buckets_[b], b);
+    auto state = std::make_unique<BucketState>();
+    state->layer_base = layer_base;
+    layer_base += static_cast<uint32_t>(buckets_[b].layers.size());
+    for (const LayerLayout& l : buckets_[b].layers) {
+      state->controller_of.push_back(-1);
+      state->measured.push_back(0);
+      if (!l.adaptive()) continue;
+      if (measured_candidates_.empty()) measured_candidates_ = l.candidates;
+      if (l.candidates != measured_candidates_)
+        throw std::invalid_argument("engine: adaptive layers must share one candidate list (layer " + l.name + ")");
+      controller::Layer layer;
+      layer.name = std::to_string(b) + "/" + l.name;
+      layer.numel = l.numel;
+      layer.default_index = l.default_index;
+      for (const CodecSpec& c : l.candidates)
+        layer.candidates.push_back({c.str(), encoded_bytes(c, buckets_[b].dtype, l.numel), 0.0});
+      state->controller_of.back() = static_cast<int32_t>(layers.size());
+      state->measured.back() = 1;
+      controller_names_.push_back(layer.name);
+      layers.push_back(std::move(layer));
+    }
+    state_of_.push_back(std::move(state));
+  }
+  if (!layers.empty() && options_.mode == config::Mode::kAdaptive && options_.valid) {
+    controller::ControllerSettings settings = options_.controller;
+    // The time objective needs a model at construction; the engine replaces it with
+    // measurements at every submit.
+    if (settings.objective == controller::Objective::kTime && !(settings.cost_model.link.bandwidth > 0))
+      settings.cost_model.link.bandwidth = 1e9;
+    controller_ = std::make_unique<controller::Controller>(settings, std::move(layers));
+    stats_.emplace(controller_->new_stats());
+  }
+}
+
+Engine::~Engine() {
+  if (controller_) controller_->stop();
+}
+
+std::vector<float> Engine::residual_snapshot(uint32_t bucket) const {
+  const BucketState& b = *state_of_.at(bucket);
+  std::vector<float> out;
+  if (!b.residual) return out;
+  out.resize(buckets_[bucket].count);
+  backend_.read_back(out.data(), b.residual->data(), out.size() * 4)->wait();
+  return out;
+}
+
+std::vector<CodecSpec> Engine::layer_codecs(uint32_t bucket) const { return state_of_.at(bucket)->codecs; }
+Algorithm Engine::algorithm(uint32_t bucket) const { return state_of_.at(bucket)->algorithm; }
+
+uint8_t* Engine::scratch(int which, uint64_t bytes) {
+  auto& buffer = scratch_[which];
+  if (!buffer || buffer->bytes() < bytes) {
+    buffer.reset();
+    buffer = backend_.allocate(std::max<uint64_t>(bytes, 64));
+  }
+  return static_cast<uint8_t*>(buffer->data());
+}
+
+// ---------------------------------------------------------------------------------------
+// Agreement
+
+std::string Engine::agree(uint64_t assignment, bool local_ok, const std::string& local_problem) {
+  AgreementRecord mine;
+  mine.ranks = static_cast<uint32_t>(fabric_.size());
+  mine.valid = options_.valid && local_ok ? 1 : 0;
+  mine.parameters = digest(options_.parameters_text);
+  mine.layouts = layouts_digest(buckets_);
+  mine.assignment = assignment;
+  const int n = fabric_.size();
+  std::vector<AgreementRecord> all(n);
+  uint8_t* device = scratch(kStats, sizeof(AgreementRecord) * (n + 1));
+  backend_.upload(device, &mine, sizeof mine);
+  const std::vector<uint64_t> bytes(n, sizeof(AgreementRecord));
+  fabric_.all_gather_v(device, bytes, device + sizeof(AgreementRecord));
+  backend_.read_back(all.data(), device + sizeof(AgreementRecord), sizeof(AgreementRecord) * n)->wait();
+
+  // Every rank builds the same message from the same records.
+  std::string invalid, parameters, layouts, assignments, foreign;
+  auto add = [](std::string& list, int rank) { list += (list.empty() ? "" : ", ") + std::to_string(rank); };
+  for (int r = 0; r < n; ++r) {
+    const AgreementRecord& a = all[r];
+    if (a.magic != AgreementRecord::kMagic || a.ranks != static_cast<uint32_t>(n)) {
+      add(foreign, r);
+      continue;
+    }
+    if (!a.valid) add(invalid, r);
+    if (a.parameters != all[0].parameters) add(parameters, r);
+    if (a.layouts != all[0].layouts) add(layouts, r);
+    if (a.assignment != all[0].assignment) add(assignments, r);
+  }
+  std::string why;
+  auto clause = [&why](const std::string& ranks, const std::string& text) {
+    if (!ranks.empty()) why += (why.empty() ? "" : "; ") + text + " on rank(s) " + ranks;
+  };
+  clause(foreign, "an unreadable agreement record (a different lgreco version?)");
+  clause(invalid, "an invalid configuration or a local failure (that rank's WARN says which)");
+  clause(parameters, "LGRECO_* parameters that differ from rank 0's");
+  clause(layouts, "bucket layouts (registration file) that differ from rank 0's");
+  clause(assignments, "an assignment that differs from rank 0's (a non-deterministic solve?)");
+  if (!local_ok && !local_problem.empty())
+    LGRECO_WARN("ENGINE", "this rank cannot compress: %s", local_problem.c_str());
+  return why;
+}
+
+// ---------------------------------------------------------------------------------------
+// Assignments and plans
+
+void Engine::switch_to(std::shared_ptr<const controller::Assignment> assignment) {
+  const int n = fabric_.size();
+  uint64_t send = 0, recv = 0, acc = 0, reencoded = 0, gathered = 0;
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    BucketState& s = *state_of_[b];
+    const BucketLayout& layout = buckets_[b];
+    s.codecs.clear();
+    for (size_t l = 0; l < layout.layers.size(); ++l) {
+      const LayerLayout& layer = layout.layers[l];
+      uint32_t choice = layer.default_index;
+      if (s.controller_of[l] >= 0 && assignment && !assignment->choices.empty())
+        choice = assignment->choices[s.controller_of[l]];
+      s.codecs.push_back(layer.candidates[choice]);
+    }
+    s.whole = make_plan(layout, s.codecs, 1);
+    s.algorithm = options_.algorithm;
+    if (s.algorithm == Algorithm::kAuto)
+      s.algorithm = n <= 2 || s.whole.total_bytes <= kSmallEncoding ? Algorithm::kAllGather
+                                                                    : Algorithm::kScatterReduceAllGather;
+    if (s.algorithm == Algorithm::kAllGather) {
+      s.plan = s.whole;
+      send = std::max(send, s.plan.total_bytes);
+      gathered = std::max(gathered, s.plan.total_bytes * n);
+      acc = std::max(acc, layout.count * uint64_t{4});
+    } else {
+      s.plan = make_plan(layout, s.codecs, static_cast<uint32_t>(n));
+      const Partition& mine = s.plan.partitions[fabric_.rank()];
+      send = std::max(send, s.plan.total_bytes - mine.bytes);
+      recv = std::max(recv, mine.bytes * (n - 1));
+      acc = std::max(acc, mine.count() * 4);
+      reencoded = std::max(reencoded, mine.bytes);
+      gathered = std::max(gathered, s.plan.total_bytes);
+      // The owner's residual follows its partition: elements it keeps keep their residual.
+      if (options_.error_feedback && (!s.owner_residual || s.owner_begin != mine.begin || s.owner_end != mine.end)) {
+        auto next = backend_.allocate(mine.count() * 4);
+        const uint64_t lo = std::max(mine.begin, s.owner_begin), hi = std::min(mine.end, s.owner_end);
+        if (s.owner_residual && lo < hi)
+          backend_.copy(static_cast<float*>(next->data()) + (lo - mine.begin),
+                        static_cast<float*>(s.owner_residual->data()) + (lo - s.owner_begin), (hi - lo) * 4);
+        s.owner_residual = std::move(next);
+        s.owner_begin = mine.begin;
+        s.owner_end = mine.end;
+      }
+    }
+    if (options_.error_feedback && !s.residual) s.residual = backend_.allocate(layout.count * 4);
+    if (!s.flags) s.flags = backend_.allocate(layout.layers.size());
+  }
+  scratch(kSend, send);
+  scratch(kRecv, recv);
+  scratch(kAcc, acc);
+  scratch(kReencoded, reencoded);
+  scratch(kGathered, gathered);
+  assignment_ = std::move(assignment);
+}
+
+// ---------------------------------------------------------------------------------------
+// The call
+
+CallOutcome Engine::pass(std::string why) {
+  ++counters_.passed_through;
+  return CallOutcome{CallOutcome::Kind::kPassThrough, std::move(why)};
+}
+
+CallOutcome Engine::allreduce(const EngineCall& call) {
+  ++counters_.calls;
+  if (state_ == State::kBroken) {
+    ++counters_.errors;
+    return CallOutcome{CallOutcome::Kind::kError, "lgreco: an earlier compressed allreduce failed: " + broken_reason_};
+  }
+  if (state_ == State::kPassThrough) return pass("compression is off on this communicator");
+  try {
+    return run(call);
+  } catch (const std::exception& e) {
+    // Data may have been queued to peers: the exchange cannot be undone quietly.
+    state_ = State::kBroken;
+    broken_reason_ = e.what();
+    ++counters_.errors;
+    LGRECO_WARN("ENGINE", "compressed allreduce of bucket %u at step %llu failed: %s; this communicator's later "
+                "calls fail too", call.bucket, static_cast<unsigned long long>(call.step), e.what());
+    return CallOutcome{CallOutcome::Kind::kError, std::string("lgreco: compressed allreduce failed: ") + e.what()};
+  }
+}
+
+CallOutcome Engine::run(const EngineCall& call) {
+  std::string bad;
+  if (call.bucket >= buckets_.size())
+    bad = "bucket " + std::to_string(call.bucket) + " of " + std::to_string(buckets_.size());
+  else if (call.count != buckets_[call.bucket].count || call.dtype != buckets_[call.bucket].dtype)
+    bad = "a call of " + std::to_string(call.count) + " " + dtype_name(call.dtype) + " for bucket " +
+          std::to_string(call.bucket) + " of " + std::to_string(buckets_[call.bucket].count) + " " +
+          dtype_name(buckets_[call.bucket].dtype);
+  else if (call.step < last_step_)
+    bad = "step " + std::to_string(call.step) + " after step " + std::to_string(last_step_);
+  if (!bad.empty())  // the caller's mistake, the same on every rank (calls are collective)
+    throw std::invalid_argument("engine: " + bad);
+
+  if (state_ == State::kUnchecked) {
+    // The first call: allocate for the default assignment, then compare configurations
+    // (the allocation's outcome included) before anything is sent.
+    std::string problem;
+    bool ok = true;
+    if (options_.mode != config::Mode::kOff && options_.valid) {
+      try {
+        switch_to(controller_ ? controller_->assignment_for_step(call.step) : nullptr);
+      } catch (const std::bad_alloc&) {
+        ok = false;
+        problem = "cannot allocate the residual and staging buffers";
+      }
+    }
+    const std::string why = agree(assignment_digest(assignment_.get()), ok, problem);
+    if (!why.empty()) {
+      state_ = State::kPassThrough;
+      LGRECO_WARN("ENGINE", "compression is off on this communicator (every rank passes through): %s", why.c_str());
+      return pass(why);
+    }
+    if (options_.mode == config::Mode::kOff) {  // on every rank: the parameters agreed
+      state_ = State::kPassThrough;
+      LGRECO_INFO("ENGINE", "LGRECO_MODE=off: every call passes through");
+      return pass("LGRECO_MODE=off");
+    }
+    state_ = State::kCompressing;
+    LGRECO_INFO("ENGINE", "compressing on %d ranks (%s fabric, %s backend), %zu buckets, %zu adaptive layers",
+                fabric_.size(), fabric_.name().c_str(), backend_.name().c_str(), buckets_.size(),
+                controller_names_.size());
+  }
+  last_step_ = call.step;
+
+  // A finished measurement window: aggregate and submit before this step's exchange.
+  if (window_end_ && call.step > *window_end_) submit_window();
+
+  if (controller_) {
+    std::shared_ptr<const controller::Assignment> next = controller_->assignment_for_step(call.step);
+    if (next != assignment_) {
+      bool ok = true;
+      std::string problem;
+      try {
+        switch_to(next);
+      } catch (const std::bad_alloc&) {
+        ok = false;
+        problem = "cannot allocate the staging buffers of epoch " + std::to_string(next->epoch);
+      }
+      const std::string why = agree(assignment_digest(next.get()), ok, problem);
+      if (!why.empty()) {
+        state_ = State::kPassThrough;
+        controller_->stop();
+        LGRECO_WARN("ENGINE", "compression is off on this communicator from step %llu (every rank passes through): %s",
+                    static_cast<unsigned long long>(call.step), why.c_str());
+        return pass(why);
+      }
+      LGRECO_INFO("ENGINE", "step %llu: assignment epoch %llu in effect", static_cast<unsigned long long>(call.step),
+                  static_cast<unsigned long long>(next->epoch));
+    }
+  }
+
+  BucketState& b = *state_of_[call.bucket];
+  if (call.new_address) {
+    if (b.residual) backend_.fill_zero(b.residual->data(), b.residual->bytes());
+    if (b.owner_residual) backend_.fill_zero(b.owner_residual->data(), b.owner_residual->bytes());
+  }
+  if (controller_ && controller_->schedule().measures(call.step)) measure(b, call);
+
+  if (b.algorithm == Algorithm::kAllGather)
+    all_gather(b, call);
+  else
+    reduce_scatter_allgather(b, call);
+
+  ++counters_.compressed_calls;
+  counters_.uncompressed_bytes += call.count * dtype_size(call.dtype);
+  counters_.encoded_bytes += b.plan.total_bytes;
+  cost_.encoded_bytes += static_cast<double>(b.plan.total_bytes);
+  return CallOutcome{};
+}
+
+// ---------------------------------------------------------------------------------------
+// Statistics
+
+void Engine::measure(BucketState& b, const EngineCall& call) {
+  const size_t layers = buckets_[call.bucket].layers.size();
+  const size_t c = measured_candidates_.size();
+  std::vector<double> squared(layers * c);
+  std::vector<uint8_t> nonfinite(layers);
+  // Results land in backend memory and come back through a read-back.
+  const uint64_t squared_bytes = squared.size() * sizeof(double);
+  uint8_t* device = scratch(kStats, squared_bytes + layers);
+  Backend::Measure m{measured_candidates_, b.measured, reinterpret_cast<double*>(device), device + squared_bytes};
+  const float* residual = b.residual ? static_cast<const float*>(b.residual->data()) : nullptr;
+  backend_.measure(b.whole, b.whole.segments, ElementSpan{const_cast<void*>(call.send), call.dtype, 0}, residual, 0, m);
+  backend_.read_back(squared.data(), device, squared_bytes)->wait();
+  backend_.read_back(nonfinite.data(), device + squared_bytes, layers)->wait();
+  for (size_t l = 0; l < layers; ++l) {
+    const int32_t k = b.controller_of[l];
+    if (k < 0) continue;
+    std::span<double> sample(squared.data() + l * c, c);
+    if (nonfinite[l]) std::fill(sample.begin(), sample.end(), std::numeric_limits<double>::infinity());
+    stats_->add(static_cast<size_t>(k), sample);  // a non-finite sample is counted as skipped
+  }
+  if (!window_end_) {
+    uint64_t end = call.step;
+    while (!controller_->schedule().window_ends(end)) ++end;
+    window_end_ = end;
+  }
+}
+
+void Engine::submit_window() {
+  const uint64_t window_last = *window_end_;
+  window_end_.reset();
+  // The statistics and the cost measurements, summed across ranks in one reduction.
+  std::span<double> local = stats_->reduction_buffer();
+  std::vector<double> all(local.begin(), local.end());
+  all.push_back(cost_.exchange_seconds);
+  all.push_back(cost_.encoded_bytes);
+  all.push_back(cost_.codec_seconds);
+  all.push_back(cost_.codec_elements);
+  cost_ = WindowCost{};
+  auto* device = reinterpret_cast<double*>(scratch(kStats, all.size() * sizeof(double)));
+  backend_.upload(device, all.data(), all.size() * sizeof(double));
+  timed_exchange_begin();
+  fabric_.all_reduce_sum(std::span<double>(device, all.size()));
+  timed_exchange_end();
+  backend_.read_back(all.data(), device, all.size() * sizeof(double))->wait();
+  std::copy(all.begin(), all.begin() + local.size(), local.begin());
+
+  std::optional<controller::CostModel> model;
+  const double exchange_s = all[local.size()], encoded = all[local.size() + 1];
+  const double codec_s = all[local.size() + 2], elements = all[local.size() + 3];
+  if (exchange_s > 0 && encoded > 0) {
+    model.emplace();
+    model->link.bandwidth = encoded / exchange_s;
+    if (codec_s > 0 && elements > 0) model->families["quant"].throughput = elements / codec_s;
+  }
+  controller_->submit(window_last, std::move(*stats_), model);
+  stats_.emplace(controller_->new_stats());
+}
+
+void Engine::timed_exchange_begin() { mark_ = backend_.mark(); }
+void Engine::timed_exchange_end() {
+  const double s = backend_.seconds_between(mark_, backend_.mark());
+  counters_.exchange_seconds += s;
+  cost_.exchange_seconds += s;
+}
+
+// ---------------------------------------------------------------------------------------
+// The algorithms
+
+void Engine::all_gather(BucketState& b, const EngineCall& call) {
+  const Plan& plan = b.plan;
+  const int n = fabric_.size();
+  const ElementSpan input{const_cast<void*>(call.send), call.dtype, 0};
+  float* residual = b.residual ? static_cast<float*>(b.residual->data()) : nullptr;
+  uint8_t* flags = residual ? static_cast<uint8_t*>(b.flags->data()) : nullptr;
+  uint8_t* send = scratch(kSend, plan.total_bytes);
+  uint8_t* gathered = scratch(kGathered, plan.total_bytes * n);
+  auto* acc = reinterpret_cast<float*>(scratch(kAcc, call.count * 4));
+  const NoiseBase noise{options_.seed, static_cast<uint32_t>(fabric_.rank()), call.step, b.layer_base};
+
+  uint64_t t0 = backend_.mark();
+  if (flags) backend_.find_nonfinite(plan, plan.segments, input, flags);
+  backend_.encode(plan, plan.segments, input, residual, 0, flags, noise, send, 0);
+  double codec_s = backend_.seconds_between(t0, backend_.mark());
+
+  const uint64_t sent_before = fabric_.counters().bytes_sent;
+  timed_exchange_begin();
+  fabric_.all_gather_v(send, std::vector<uint64_t>(n, plan.total_bytes), gathered);
+  timed_exchange_end();
+  counters_.wire_bytes_sent += fabric_.counters().bytes_sent - sent_before;
+
+  t0 = backend_.mark();
+  backend_.fill_zero(acc, call.count * 4);
+  const ElementSpan sum{acc, DType::kFloat32, 0};
+  for (int p = 0; p < n; ++p)  // rank order: every rank adds the same values in the same order
+    backend_.decode_accumulate(plan, plan.segments, gathered, p * plan.total_bytes, sum);
+  if (call.op == ReduceOp::kAvg) backend_.divide(acc, call.count, static_cast<float>(n));
+  backend_.narrow(acc, call.count, ElementSpan{call.recv, call.dtype, 0});
+  codec_s += backend_.seconds_between(t0, backend_.mark());
+  counters_.codec_seconds += codec_s;
+  cost_.codec_seconds += codec_s;
+  cost_.codec_elements += static_cast<double>(call.count);
+}
+
+void Engine::reduce_scatter_allgather(BucketState& b, const EngineCall& call) {
+  const Plan& plan = b.plan;
+  const int n = fabric_.size(), me = fabric_.rank();
+  const Partition& mine = plan.partitions[me];
+  const ElementSpan input{const_cast<void*>(call.send), call.dtype, 0};
+  float* residual = b.residual ? static_cast<float*>(b.residual->data()) : nullptr;
+  uint8_t* flags = residual ? static_cast<uint8_t*>(b.flags->data()) : nullptr;
+
+  // Stage 1: encode every partition but this rank's own, back to back in rank order.
+  std::vector<uint64_t> send_bytes(n), recv_bytes(n);
+  std::vector<uint64_t> send_offset(n);
+  uint64_t at = 0;
+  for (int q = 0; q < n; ++q) {
+    send_offset[q] = at;
+    send_bytes[q] = q == me ? 0 : plan.partitions[q].bytes;
+    recv_bytes[q] = q == me ? 0 : mine.bytes;
+    at += send_bytes[q];
+  }
+  uint8_t* send = scratch(kSend, at);
+  uint8_t* recv = scratch(kRecv, mine.bytes * (n - 1));
+  auto* acc = reinterpret_cast<float*>(scratch(kAcc, mine.count() * 4));
+  uint8_t* reencoded = scratch(kReencoded, mine.bytes);
+  uint8_t* gathered = scratch(kGathered, plan.total_bytes);
+
+  uint64_t t0 = backend_.mark();
+  if (flags) backend_.find_nonfinite(plan, plan.segments, input, flags);
+  const NoiseBase noise{options_.seed, static_cast<uint32_t>(me), call.step, b.layer_base};
+  for (int q = 0; q < n; ++q)
+    if (q != me)
+      backend_.encode(plan, plan.segments_of(plan.partitions[q]), input, residual, 0, flags, noise, send,
+                      send_offset[q]);
+  double codec_s = backend_.seconds_between(t0, backend_.mark());
+
+  const uint64_t sent_before = fabric_.counters().bytes_sent;
+  timed_exchange_begin();
+  fabric_.all_to_all_v(send, send_bytes, recv, recv_bytes);
+  timed_exchange_end();
+
+  // The owner's sum, in rank order; its own contribution exact (it never travels).
+  t0 = backend_.mark();
+  const auto own = plan.segments_of(mine);
+  const ElementSpan sum{acc, DType::kFloat32, mine.begin};
+  backend_.fill_zero(acc, mine.count() * 4);
+  uint64_t from = 0;
+  for (int p = 0; p < n; ++p) {
+    if (p == me) {
+      backend_.accumulate_exact(plan, own, input, residual, 0, flags, sum);
+    } else {
+      backend_.decode_accumulate(plan, own, recv, from, sum);
+      from += mine.bytes;
+    }
+  }
+  if (call.op == ReduceOp::kAvg) backend_.divide(acc, mine.count(), static_cast<float>(n));
+  // Stage 2: re-encode the sum with the owner's residual (its own noise stream).
+  float* owner_residual = b.owner_residual ? static_cast<float*>(b.owner_residual->data()) : nullptr;
+  NoiseBase reencode = noise;
+  reencode.rank = NoiseBase::kReencodeRankBit | static_cast<uint32_t>(me);
+  backend_.encode(plan, own, sum, owner_residual, mine.begin, nullptr, reencode, reencoded, 0);
+  codec_s += backend_.seconds_between(t0, backend_.mark());
+
+  timed_exchange_begin();
+  fabric_.all_gather_v(reencoded, plan.partition_bytes(), gathered);
+  timed_exchange_end();
+  counters_.wire_bytes_sent += fabric_.counters().bytes_sent - sent_before;
+
+  t0 = backend_.mark();
+  uint64_t offset = 0;
+  for (const Partition& p : plan.partitions) {
+    backend_.decode(plan, plan.segments_of(p), gathered, offset, ElementSpan{call.recv, call.dtype, 0});
+    offset += p.bytes;
+  }
+  codec_s += backend_.seconds_between(t0, backend_.mark());
+  counters_.codec_seconds += codec_s;
+  cost_.codec_seconds += codec_s;
+  cost_.codec_elements += static_cast<double>(call.count);
+}
+
+}  // namespace lgreco::collective

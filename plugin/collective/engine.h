@@ -1,0 +1,195 @@
+// The compressed-allreduce engine of one communicator.
+//
+// The caller (the shim, lgreco-bench, the demo, tests) knows which bucket a call is and
+// which step it belongs to (config/bucket_matcher.h); the engine turns the call into codec
+// operations on a Backend and exchanges on a Fabric, keeps the error-feedback residuals,
+// measures the candidates' errors for the L-GreCo controller and applies its assignments,
+// switching at the same step on every rank.
+//
+// Algorithms (EngineOptions::algorithm; docs/ENGINE.md has the derivations):
+//   scatter-reduce-allgather (sra): the call is split into one partition per rank,
+//     balanced by encoded bytes on codec bucket boundaries (plugin/collective/plan.h).
+//     Each rank encodes the partitions it does not own and sends each to its owner
+//     (all-to-all); the owner sums, in rank order and in float32, the decoded
+//     contributions and its own exact values, re-encodes the sum with its own
+//     error-feedback residual, and every rank all-gathers and decodes all partitions.
+//     Every rank decodes the same bytes, so outputs are bit-identical. Bytes sent per
+//     rank: about 2 (P-1)/P of one encoding; two quantizations.
+//   all-gather: every rank encodes the whole call, all-gathers every encoding, and sums
+//     the decoded values in rank order. One quantization, (P-1) encodings sent per rank:
+//     better for 2 ranks and for small buckets (one round of latency instead of two).
+//   auto: all-gather for at most 2 ranks or encodings up to 32 KiB, else sra.
+//
+// Everything is enqueued on the backend's and fabric's queue; the host never waits for
+// data, except at a measurement window's end (the aggregated statistics) and when
+// configurations are compared (the first compressed call and each assignment switch).
+//
+// Failures: before a call's data is queued to peers, a problem that every rank sees alike
+// (different configurations, an invalid parameter on any rank, a failed allocation)
+// makes every rank pass through, with one WARN saying why. A failure after data was
+// queued (a peer died or timed out, a size mismatch) returns kError with the fabric's
+// message; the engine is then broken and every later call returns kError too.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "config/params.h"
+#include "config/registration.h"
+#include "controller/controller.h"
+#include "kernels/codec_spec.h"
+#include "plugin/collective/backend.h"
+#include "plugin/collective/fabric.h"
+#include "plugin/collective/layout.h"
+#include "plugin/collective/plan.h"
+
+namespace lgreco::collective {
+
+enum class Algorithm : uint8_t { kAuto, kScatterReduceAllGather, kAllGather };
+const char* algorithm_name(Algorithm algorithm);  // "auto", "sra", "allgather"
+bool parse_algorithm(std::string_view text, Algorithm* algorithm);
+
+enum class ReduceOp : uint8_t { kSum, kAvg };
+
+struct EngineOptions {
+  // kOff: every call passes through (after the configurations were compared).
+  config::Mode mode = config::Mode::kAdaptive;
+  CodecSpec codec;                    // the default codec of adaptive layers
+  std::vector<CodecSpec> candidates;  // what adaptive layers choose among; holds `codec`
+  bool error_feedback = true;
+  Algorithm algorithm = Algorithm::kAuto;
+  uint64_t seed = 0x6c677265636f2121ull;  // rounding noise; the same on every rank
+  controller::ControllerSettings controller;
+
+  // What ranks compare before compressing. A rank whose configuration is invalid still
+  // takes part (valid = false), so that every rank passes through together.
+  bool valid = true;
+  std::string invalid_reason;
+  std::string parameters_text;  // every setting ranks must agree on, in canonical text
+
+  // From the LGRECO_* parameters. An invalid parameter set gives valid = false (never
+  // throws). With the time objective, `none` joins the candidates: where the link is
+  // faster than the codec, not compressing is the fastest choice.
+  static EngineOptions from_params(const config::Params& params, int rank);
+};
+
+// A registered bucket as the engine sees it: each layer's candidates from its policy
+// (config::layer_policy) and the mode.
+BucketLayout layout_from_registration(const config::RegisteredBucket& bucket, const EngineOptions& options);
+
+struct EngineCall {
+  uint32_t bucket = 0;  // index into the engine's buckets
+  uint64_t step = 0;    // the communicator's step; never goes backwards
+  const void* send = nullptr;
+  void* recv = nullptr;  // may equal send
+  uint64_t count = 0;
+  DType dtype = DType::kFloat32;
+  ReduceOp op = ReduceOp::kSum;
+  // The bucket's buffer moved (a new model or a reallocation): its residuals restart.
+  bool new_address = false;
+};
+
+struct CallOutcome {
+  enum class Kind : uint8_t {
+    kDone,         // recv holds the (compressed) reduction
+    kPassThrough,  // nothing was sent; the caller must reduce uncompressed
+    kError,        // data was in flight and the exchange failed; `message` says why
+  };
+  Kind kind = Kind::kDone;
+  std::string message;
+};
+
+struct EngineCounters {
+  uint64_t calls = 0, compressed_calls = 0, passed_through = 0, errors = 0;
+  uint64_t uncompressed_bytes = 0;  // count x element size of compressed calls
+  uint64_t encoded_bytes = 0;       // one encoding of those calls (what the controller minimises)
+  uint64_t wire_bytes_sent = 0;     // bytes this rank sent to peers for them
+  double exchange_seconds = 0;      // in fabric operations
+  double codec_seconds = 0;         // in encode and decode operations
+};
+
+class Engine {
+ public:
+  // Throws std::invalid_argument on layouts that break plugin/collective/layout.h's rules
+  // or when the options cannot make a controller (a caller's bug, not a user's input).
+  Engine(EngineOptions options, std::vector<BucketLayout> buckets, Fabric& fabric, Backend& backend);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Collective: every rank makes the same calls. Never throws.
+  CallOutcome allreduce(const EngineCall& call);
+
+  // Whether calls are compressed (the configurations agreed and nothing failed). False
+  // before the first call.
+  bool compressing() const { return state_ == State::kCompressing; }
+  const EngineCounters& counters() const { return counters_; }
+  const std::vector<BucketLayout>& buckets() const { return buckets_; }
+  // The codec of each layer of a bucket under the assignment in effect.
+  std::vector<CodecSpec> layer_codecs(uint32_t bucket) const;
+  // The algorithm a bucket uses under the assignment in effect.
+  Algorithm algorithm(uint32_t bucket) const;
+  uint64_t epoch() const { return assignment_ ? assignment_->epoch : 0; }
+  std::shared_ptr<const controller::Assignment> assignment() const { return assignment_; }
+  // This rank's error-feedback residual of a bucket, copied to the host (empty without
+  // error feedback or before the first compressed call): for tests and diagnostics.
+  std::vector<float> residual_snapshot(uint32_t bucket) const;
+  // Null in uniform mode or when no layer is adaptive.
+  const controller::Controller* controller() const { return controller_.get(); }
+  // Global index of each adaptive layer in the controller: "bucket/layer" names.
+  const std::vector<std::string>& controller_layer_names() const { return controller_names_; }
+
+ private:
+  enum class State : uint8_t { kUnchecked, kCompressing, kPassThrough, kBroken };
+  struct BucketState;
+  struct Sample;
+
+  CallOutcome run(const EngineCall& call);
+  CallOutcome pass(std::string why);
+  // Compares the ranks' configurations and, with assignment, the assignment of the
+  // coming epoch; all ranks get the same answer. Returns "" or what differs.
+  std::string agree(uint64_t assignment_digest, bool local_ok, const std::string& local_problem);
+  void switch_to(std::shared_ptr<const controller::Assignment> assignment);  // plans, buffers
+  void measure(BucketState& b, const EngineCall& call);
+  void submit_window();
+  void reduce_scatter_allgather(BucketState& b, const EngineCall& call);
+  void all_gather(BucketState& b, const EngineCall& call);
+  uint8_t* scratch(int which, uint64_t bytes);
+  void timed_exchange_begin();
+  void timed_exchange_end();
+
+  EngineOptions options_;
+  std::vector<BucketLayout> buckets_;
+  Fabric& fabric_;
+  Backend& backend_;
+  State state_ = State::kUnchecked;
+  std::string broken_reason_;
+
+  std::vector<std::unique_ptr<BucketState>> state_of_;
+  std::vector<CodecSpec> measured_candidates_;  // the candidate list of adaptive layers
+  std::vector<std::string> controller_names_;
+  std::unique_ptr<controller::Controller> controller_;
+  std::shared_ptr<const controller::Assignment> assignment_;
+  uint64_t last_step_ = 0;
+
+  // Statistics of the current window.
+  std::optional<controller::ErrorStats> stats_;
+  std::optional<uint64_t> window_end_;  // the window being measured ends at this step
+  struct WindowCost {
+    double exchange_seconds = 0, encoded_bytes = 0, codec_seconds = 0, codec_elements = 0;
+  } cost_;
+
+  std::vector<std::unique_ptr<Backend::Buffer>> scratch_;
+  uint64_t mark_ = 0;
+  EngineCounters counters_;
+};
+
+// FNV-1a, 64 bits: the digests ranks compare (not a security measure; collisions between
+// honest configurations are what matters, and 64 bits make them negligible).
+uint64_t digest(std::string_view text, uint64_t seed = 0xcbf29ce484222325ull);
+
+}  // namespace lgreco::collective

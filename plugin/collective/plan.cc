@@ -1,0 +1,107 @@
+#include "plugin/collective/plan.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "kernels/quant.h"
+
+namespace lgreco::collective {
+
+uint64_t split_granule(const CodecSpec& spec) {
+  return spec.family() == CodecFamily::kQuant ? spec.quant_params().bucket : 1024;
+}
+
+uint64_t encoded_bytes(const CodecSpec& spec, DType dtype, uint64_t count) {
+  switch (spec.family()) {
+    case CodecFamily::kNone: return count * dtype_size(dtype);
+    case CodecFamily::kQuant: return quant::encoded_bytes(spec.quant_params(), count);
+  }
+  throw std::invalid_argument("plan: unknown codec family in " + spec.str());
+}
+
+std::vector<uint64_t> Plan::partition_bytes() const {
+  std::vector<uint64_t> bytes;
+  bytes.reserve(partitions.size());
+  for (const Partition& p : partitions) bytes.push_back(p.bytes);
+  return bytes;
+}
+
+namespace {
+
+// Element boundaries of the partitions: boundary p is where the encoded bytes before it
+// come closest to p/P of the total, among the points a layer may be split at.
+std::vector<uint64_t> partition_boundaries(const BucketLayout& bucket, std::span<const CodecSpec> codecs,
+                                           std::span<const uint64_t> layer_bytes, uint64_t total, uint32_t parts) {
+  std::vector<uint64_t> bounds(parts + 1, bucket.count);
+  bounds[0] = 0;
+  size_t layer = 0;
+  uint64_t before = 0;  // encoded bytes of the layers before `layer`
+  for (uint32_t p = 1; p < parts; ++p) {
+    // The target as a fraction of the total; 128-bit so that huge buckets cannot overflow.
+    const uint64_t target = static_cast<uint64_t>(static_cast<unsigned __int128>(total) * p / parts);
+    while (layer < bucket.layers.size() && before + layer_bytes[layer] <= target) before += layer_bytes[layer++];
+    if (layer == bucket.layers.size()) break;  // the rest stay at count
+    const LayerLayout& l = bucket.layers[layer];
+    const uint64_t granule = split_granule(codecs[layer]);
+    const uint64_t granule_bytes = encoded_bytes(codecs[layer], bucket.dtype, granule);
+    const uint64_t granules = (l.numel + granule - 1) / granule;
+    // Whole granules before the split point, rounded to the nearest.
+    uint64_t k = (target - before + granule_bytes / 2) / granule_bytes;
+    k = std::min(k, granules);
+    bounds[p] = std::max(bounds[p - 1], l.offset + std::min(k * granule, l.numel));
+  }
+  return bounds;
+}
+
+}  // namespace
+
+Plan make_plan(const BucketLayout& bucket, std::span<const CodecSpec> layer_codecs, uint32_t parts) {
+  if (layer_codecs.size() != bucket.layers.size())
+    throw std::invalid_argument("plan: " + std::to_string(layer_codecs.size()) + " codecs for " +
+                                std::to_string(bucket.layers.size()) + " layers");
+  if (parts == 0) throw std::invalid_argument("plan: no partitions");
+  Plan plan;
+  plan.dtype = bucket.dtype;
+  std::vector<uint32_t> codec_of(layer_codecs.size());
+  std::vector<uint64_t> layer_bytes(layer_codecs.size());
+  uint64_t total = 0;
+  for (size_t l = 0; l < layer_codecs.size(); ++l) {
+    auto it = std::find(plan.codecs.begin(), plan.codecs.end(), layer_codecs[l]);
+    if (it == plan.codecs.end()) it = plan.codecs.insert(plan.codecs.end(), layer_codecs[l]);
+    codec_of[l] = static_cast<uint32_t>(it - plan.codecs.begin());
+    layer_bytes[l] = encoded_bytes(layer_codecs[l], bucket.dtype, bucket.layers[l].numel);
+    total += layer_bytes[l];
+  }
+
+  const std::vector<uint64_t> bounds = partition_boundaries(bucket, layer_codecs, layer_bytes, total, parts);
+  size_t layer = 0;
+  for (uint32_t p = 0; p < parts; ++p) {
+    Partition part;
+    part.begin = bounds[p];
+    part.end = bounds[p + 1];
+    part.first_segment = static_cast<uint32_t>(plan.segments.size());
+    while (layer < bucket.layers.size() && bucket.layers[layer].offset + bucket.layers[layer].numel <= part.begin)
+      ++layer;
+    for (size_t l = layer; l < bucket.layers.size() && bucket.layers[l].offset < part.end; ++l) {
+      const LayerLayout& ll = bucket.layers[l];
+      Segment s;
+      s.layer = static_cast<uint32_t>(l);
+      s.codec = codec_of[l];
+      s.offset = std::max(part.begin, ll.offset);
+      s.first_element = s.offset - ll.offset;
+      s.count = std::min(part.end, ll.offset + ll.numel) - s.offset;
+      if (s.count == 0) continue;
+      s.byte_offset = part.bytes;
+      s.bytes = encoded_bytes(layer_codecs[l], bucket.dtype, s.count);
+      part.bytes += s.bytes;
+      plan.segments.push_back(s);
+    }
+    part.segment_count = static_cast<uint32_t>(plan.segments.size()) - part.first_segment;
+    plan.total_bytes += part.bytes;
+    plan.partitions.push_back(part);
+  }
+  return plan;
+}
+
+}  // namespace lgreco::collective

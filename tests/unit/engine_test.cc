@@ -1,0 +1,491 @@
+// The compressed-allreduce engine over the in-process fabric and the CPU backend.
+//
+// Outputs are checked byte for byte against a reference written here from the codec
+// interface alone (kernels/codec.h): the algorithm as docs/ENGINE.md describes it, with
+// no engine, backend or fabric code. Then: bit-identical outputs across ranks, error
+// feedback keeping the accumulated error bounded, overflow steps, the controller's
+// switches, and the failure cases (configurations that differ, an invalid one, a rank
+// that stops).
+#include "plugin/collective/engine.h"
+
+#include <boost/test/unit_test.hpp>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <thread>
+
+#include "kernels/codec.h"
+#include "plugin/collective/cpu_backend.h"
+#include "plugin/collective/inproc_fabric.h"
+#include "tests/unit/test_util.h"
+
+namespace lgreco::collective {
+namespace {
+
+using namespace std::chrono_literals;
+using Bytes = std::vector<uint8_t>;
+
+CodecSpec quant(int bits, uint32_t bucket = 1024, Rounding rounding = Rounding::kStochastic) {
+  QuantParams q;
+  q.bits = bits;
+  q.bucket = bucket;
+  q.rounding = rounding;
+  return CodecSpec::quant(q);
+}
+
+// A bucket of fixed codecs (one candidate per layer: no controller).
+BucketLayout fixed_layout(const std::vector<uint64_t>& sizes, const std::vector<CodecSpec>& codecs, DType dtype) {
+  BucketLayout b;
+  b.dtype = dtype;
+  for (size_t l = 0; l < sizes.size(); ++l) {
+    b.layers.push_back({"layer" + std::to_string(l), b.count, sizes[l], {codecs[l]}, 0});
+    b.count += sizes[l];
+  }
+  return b;
+}
+
+EngineOptions fixed_options(Algorithm algorithm, bool error_feedback) {
+  EngineOptions o;
+  o.mode = config::Mode::kUniform;
+  o.algorithm = algorithm;
+  o.error_feedback = error_feedback;
+  o.parameters_text = "test";
+  return o;
+}
+
+Bytes to_dtype(const std::vector<float>& v, DType dtype) {
+  Bytes out(v.size() * dtype_size(dtype));
+  for (size_t i = 0; i < v.size(); ++i) store_from_float(out.data(), dtype, i, v[i]);
+  return out;
+}
+std::vector<double> to_double(const Bytes& raw, DType dtype) {
+  std::vector<double> out(raw.size() / dtype_size(dtype));
+  for (size_t i = 0; i < out.size(); ++i) out[i] = load_as_float(raw.data(), dtype, i);
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------
+// The reference (error feedback off): what every rank's output must be, byte for byte.
+
+Bytes encode_with(const CodecSpec& spec, DType dtype, const NoiseKey& key, const void* data, uint64_t count,
+                  uint64_t first_element) {
+  auto codec = Codec::create(spec, dtype);
+  Bytes out(codec->encoded_bytes(count));
+  codec->encode(key, Slice{data, count, first_element}, nullptr, out);
+  return out;
+}
+
+Bytes reference(const BucketLayout& b, const std::vector<Bytes>& inputs, Algorithm algorithm, uint64_t step,
+                ReduceOp op, uint64_t seed) {
+  const int n = static_cast<int>(inputs.size());
+  const DType dtype = b.dtype;
+  const size_t es = dtype_size(dtype);
+  std::vector<CodecSpec> codecs;
+  for (const LayerLayout& l : b.layers) codecs.push_back(l.candidates[l.default_index]);
+  Bytes out(b.count * es);
+  if (algorithm == Algorithm::kAllGather) {
+    std::vector<float> acc(b.count, 0.0f);
+    for (int r = 0; r < n; ++r)
+      for (size_t l = 0; l < b.layers.size(); ++l) {
+        const LayerLayout& layer = b.layers[l];
+        const NoiseKey key{seed, static_cast<uint32_t>(r), step, static_cast<uint32_t>(l)};
+        const Bytes enc = encode_with(codecs[l], dtype, key, inputs[r].data() + layer.offset * es, layer.numel, 0);
+        Codec::create(codecs[l], dtype)->decode_accumulate(enc, layer.numel, acc.data() + layer.offset);
+      }
+    for (uint64_t i = 0; i < b.count; ++i)
+      store_from_float(out.data(), dtype, i, op == ReduceOp::kAvg ? acc[i] / static_cast<float>(n) : acc[i]);
+    return out;
+  }
+  const Plan plan = make_plan(b, codecs, static_cast<uint32_t>(n));
+  for (int owner = 0; owner < n; ++owner)
+    for (const Segment& s : plan.segments_of(plan.partitions[owner])) {
+      const CodecSpec& spec = codecs[s.layer];
+      std::vector<float> acc(s.count, 0.0f);
+      for (int r = 0; r < n; ++r) {
+        const uint8_t* x = inputs[r].data() + s.offset * es;
+        if (r == owner) {
+          for (uint64_t i = 0; i < s.count; ++i) acc[i] += load_as_float(x, dtype, i);
+          continue;
+        }
+        const NoiseKey key{seed, static_cast<uint32_t>(r), step, s.layer};
+        const Bytes enc = encode_with(spec, dtype, key, x, s.count, s.first_element);
+        Codec::create(spec, dtype)->decode_accumulate(enc, s.count, acc.data());
+      }
+      if (op == ReduceOp::kAvg)
+        for (float& v : acc) v = v / static_cast<float>(n);
+      if (spec.family() == CodecFamily::kNone) {
+        for (uint64_t i = 0; i < s.count; ++i) store_from_float(out.data(), dtype, s.offset + i, acc[i]);
+        continue;
+      }
+      const NoiseKey key{seed, NoiseBase::kReencodeRankBit | static_cast<uint32_t>(owner), step, s.layer};
+      const Bytes enc = encode_with(spec, DType::kFloat32, key, acc.data(), s.count, s.first_element);
+      Codec::create(spec, DType::kFloat32)->decode(enc, s.count, dtype, out.data() + s.offset * es);
+    }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------
+// Running ranks as threads
+
+struct RankResult {
+  std::vector<Bytes> outputs;  // per call
+  std::vector<CallOutcome> outcomes;
+  std::vector<std::vector<float>> residuals;  // bucket 0's residual after each call
+  uint64_t epoch = 0;
+  std::vector<std::string> codecs;  // bucket 0's layer codecs at the end
+  EngineCounters counters;
+};
+
+struct Job {
+  int ranks = 2;
+  std::vector<BucketLayout> buckets;
+  std::function<EngineOptions(int rank)> options;
+  // The input of (rank, step, bucket), in the bucket's dtype.
+  std::function<Bytes(int rank, uint64_t step, uint32_t bucket)> input;
+  uint64_t steps = 1;
+  ReduceOp op = ReduceOp::kSum;
+  std::chrono::milliseconds timeout = 10000ms;
+  // A rank that returns true here stops before (step, bucket): it "dies".
+  std::function<bool(int rank, uint64_t step)> stops = [](int, uint64_t) { return false; };
+  bool in_place = false;
+  bool snapshot_residuals = false;
+};
+
+std::vector<RankResult> run_job(const Job& job) {
+  auto hub = std::make_shared<InProcHub>(job.ranks, job.timeout);
+  std::vector<RankResult> results(job.ranks);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < job.ranks; ++r)
+    threads.emplace_back([&, r] {
+      InProcFabric fabric(hub, r);
+      CpuBackend backend;
+      Engine engine(job.options(r), job.buckets, fabric, backend);
+      RankResult& mine = results[r];
+      for (uint64_t step = 0; step < job.steps; ++step) {
+        if (job.stops(r, step)) break;
+        for (uint32_t b = 0; b < job.buckets.size(); ++b) {
+          const Bytes in = job.input(r, step, b);
+          Bytes out(in.size(), 0xA5);  // poisoned
+          if (job.in_place) out = in;
+          EngineCall call{b, step, job.in_place ? out.data() : in.data(), out.data(), job.buckets[b].count,
+                          job.buckets[b].dtype, job.op, false};
+          mine.outcomes.push_back(engine.allreduce(call));
+          mine.outputs.push_back(std::move(out));
+          if (job.snapshot_residuals && b == 0) mine.residuals.push_back(engine.residual_snapshot(0));
+        }
+      }
+      mine.epoch = engine.epoch();
+      for (const CodecSpec& c : engine.layer_codecs(0)) mine.codecs.push_back(c.str());
+      mine.counters = engine.counters();
+    });
+  for (auto& t : threads) t.join();
+  return results;
+}
+
+// Fresh inputs of a distribution drawn per (rank, step, bucket) from the run's seed.
+std::function<Bytes(int, uint64_t, uint32_t)> random_inputs(const std::vector<BucketLayout>& buckets, uint64_t seed,
+                                                            test::Dist dist = test::Dist::kNormal) {
+  return [buckets, seed, dist](int r, uint64_t step, uint32_t b) {
+    std::mt19937_64 rng(seed ^ (uint64_t(r) << 48) ^ (step << 24) ^ b);
+    return to_dtype(test::draw(dist, buckets[b].count, rng, 512), buckets[b].dtype);
+  };
+}
+
+BOOST_AUTO_TEST_SUITE(engine)
+
+BOOST_AUTO_TEST_CASE(matches_the_reference_byte_for_byte) {
+  const uint64_t seed = test::run_seed();
+  std::mt19937_64 rng(seed);
+  int cases = 0;
+  BOOST_TEST_CONTEXT("seed " << seed) {
+    for (int ranks : {1, 2, 3, 4, 8})
+      for (Algorithm algorithm : {Algorithm::kScatterReduceAllGather, Algorithm::kAllGather})
+        for (int trial = 0; trial < 3; ++trial) {
+          const DType dtype = static_cast<DType>(rng() % 3);
+          std::vector<uint64_t> sizes(1 + rng() % 5);
+          std::vector<CodecSpec> codecs;
+          for (auto& s : sizes) {
+            s = 1 + rng() % (rng() % 3 ? 20000 : 300);
+            const int kind = static_cast<int>(rng() % 5);
+            codecs.push_back(kind == 0   ? CodecSpec::none()
+                             : kind == 1 ? quant(1 + rng() % 8, 32 * (1 + rng() % 40), Rounding::kNearest)
+                                         : quant(1 + rng() % 8, 32 * (1 + rng() % 40)));
+          }
+          Job job;
+          job.ranks = ranks;
+          job.buckets = {fixed_layout(sizes, codecs, dtype)};
+          job.options = [&](int) { return fixed_options(algorithm, false); };
+          job.input = random_inputs(job.buckets, seed + cases, test::kAllDists[trial % 5]);
+          job.steps = 2;
+          job.op = rng() % 2 ? ReduceOp::kAvg : ReduceOp::kSum;
+          job.in_place = rng() % 2;
+          const auto results = run_job(job);
+          for (uint64_t step = 0; step < job.steps; ++step) {
+            std::vector<Bytes> inputs;
+            for (int r = 0; r < ranks; ++r) inputs.push_back(job.input(r, step, 0));
+            const Bytes expected = reference(job.buckets[0], inputs, algorithm, step, job.op, EngineOptions{}.seed);
+            for (int r = 0; r < ranks; ++r)
+              BOOST_TEST_CONTEXT("ranks " << ranks << " " << algorithm_name(algorithm) << " " << dtype_name(dtype)
+                                          << " count " << job.buckets[0].count << " step " << step << " rank " << r) {
+                BOOST_TEST_REQUIRE(results[r].outcomes[step].message == "");
+                BOOST_TEST((results[r].outcomes[step].kind == CallOutcome::Kind::kDone));
+                BOOST_TEST((results[r].outputs[step] == expected));
+              }
+          }
+          ++cases;
+        }
+  }
+}
+
+BOOST_AUTO_TEST_CASE(auto_algorithm_and_tiny_calls) {
+  // Auto: all-gather for 2 ranks and small encodings, sra otherwise.
+  for (auto [ranks, count, expected] : {std::tuple{2, 1u << 20, Algorithm::kAllGather},
+                                        std::tuple{4, 1000u, Algorithm::kAllGather},
+                                        std::tuple{4, 1u << 20, Algorithm::kScatterReduceAllGather}}) {
+    auto hub = std::make_shared<InProcHub>(ranks, 10000ms);
+    std::vector<Algorithm> seen(ranks);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < ranks; ++r)
+      threads.emplace_back([&, r] {
+        InProcFabric fabric(hub, r);
+        CpuBackend backend;
+        Engine engine(fixed_options(Algorithm::kAuto, true), {fixed_layout({count}, {quant(4)}, DType::kFloat32)},
+                      fabric, backend);
+        std::vector<float> x(count, 1.0f + r);
+        engine.allreduce({0, 0, x.data(), x.data(), count, DType::kFloat32, ReduceOp::kSum, false});
+        seen[r] = engine.algorithm(0);
+      });
+    for (auto& t : threads) t.join();
+    for (Algorithm a : seen) BOOST_TEST(algorithm_name(a) == algorithm_name(expected));
+  }
+  // Counts of 1 and a bucket of one 1-element layer per rank count.
+  for (int ranks : {3, 8}) {
+    Job job;
+    job.ranks = ranks;
+    job.buckets = {fixed_layout({1}, {quant(4)}, DType::kFloat16)};
+    job.options = [](int) { return fixed_options(Algorithm::kScatterReduceAllGather, true); };
+    job.input = random_inputs(job.buckets, test::run_seed());
+    const auto results = run_job(job);
+    for (const auto& r : results) {
+      BOOST_TEST((r.outcomes[0].kind == CallOutcome::Kind::kDone));
+      BOOST_TEST((r.outputs[0] == results[0].outputs[0]));
+    }
+  }
+}
+
+// With error feedback the error of the sum over many steps stays at about one step's
+// error; without it, it grows like the square root of the steps.
+BOOST_AUTO_TEST_CASE(error_feedback_keeps_the_accumulated_error_bounded) {
+  const uint64_t seed = test::run_seed();
+  const int ranks = 4, steps = 60;
+  for (Algorithm algorithm : {Algorithm::kScatterReduceAllGather, Algorithm::kAllGather}) {
+    double accumulated_error[2], one_step_error = 0;
+    for (int ef = 0; ef < 2; ++ef) {
+      Job job;
+      job.ranks = ranks;
+      job.buckets = {fixed_layout({5000, 20000}, {quant(2, 256), quant(3)}, DType::kFloat32)};
+      job.options = [&](int) { return fixed_options(algorithm, ef == 1); };
+      job.input = random_inputs(job.buckets, seed);
+      job.steps = steps;
+      const auto results = run_job(job);
+      std::vector<double> exact(job.buckets[0].count, 0.0), got(job.buckets[0].count, 0.0);
+      for (int s = 0; s < steps; ++s) {
+        double step_error = 0, step_norm = 0;
+        for (int r = 0; r < ranks; ++r) {
+          const auto x = to_double(job.input(r, s, 0), DType::kFloat32);
+          for (size_t i = 0; i < x.size(); ++i) exact[i] += x[i];
+        }
+        const auto out = to_double(results[0].outputs[s], DType::kFloat32);
+        for (int r = 1; r < ranks; ++r) BOOST_TEST((results[r].outputs[s] == results[0].outputs[s]));
+        for (size_t i = 0; i < out.size(); ++i) {
+          got[i] += out[i];
+          (void)step_norm;
+        }
+        if (s == 0 && ef == 0) {
+          for (size_t i = 0; i < out.size(); ++i) step_error += (out[i] - exact[i]) * (out[i] - exact[i]);
+          one_step_error = std::sqrt(step_error);
+        }
+      }
+      double e = 0;
+      for (size_t i = 0; i < got.size(); ++i) e += (got[i] - exact[i]) * (got[i] - exact[i]);
+      accumulated_error[ef] = std::sqrt(e);
+    }
+    BOOST_TEST_CONTEXT(algorithm_name(algorithm) << ": one step " << one_step_error << ", " << steps
+                                                 << " steps without feedback " << accumulated_error[0] << ", with "
+                                                 << accumulated_error[1]) {
+      BOOST_TEST(accumulated_error[0] > 3.0 * one_step_error);  // grows like sqrt(steps) ~ 7.7
+      BOOST_TEST(accumulated_error[1] < 2.0 * one_step_error);  // bounded by the last residuals
+    }
+  }
+}
+
+BOOST_AUTO_TEST_CASE(an_overflow_step_is_non_finite_everywhere_and_keeps_residuals) {
+  const uint64_t seed = test::run_seed();
+  for (Algorithm algorithm : {Algorithm::kScatterReduceAllGather, Algorithm::kAllGather}) {
+    Job job;
+    job.ranks = 3;
+    job.buckets = {fixed_layout({8192, 8192}, {quant(4), quant(4)}, DType::kFloat16)};
+    job.options = [&](int) { return fixed_options(algorithm, true); };
+    auto clean = random_inputs(job.buckets, seed);
+    job.input = [clean](int r, uint64_t step, uint32_t b) {
+      Bytes x = clean(r, step, b);
+      if (step == 2 && r == 1) store_from_float(x.data(), DType::kFloat16, 100, INFINITY);   // layer 0
+      if (step == 2 && r == 2) store_from_float(x.data(), DType::kFloat16, 5000, NAN);       // layer 0
+      return x;
+    };
+    job.steps = 4;
+    job.snapshot_residuals = true;
+    const auto results = run_job(job);
+    BOOST_TEST_CONTEXT(algorithm_name(algorithm)) {
+      for (int r = 0; r < 3; ++r) {
+        BOOST_TEST((results[r].outputs[2] == results[0].outputs[2]));
+        const auto out = to_double(results[r].outputs[2], DType::kFloat16);
+        BOOST_TEST(!std::isfinite(out[100]));
+        BOOST_TEST(!std::isfinite(out[5000]));
+        bool layer1_finite = true;
+        for (size_t i = 8192; i < out.size(); ++i) layer1_finite &= std::isfinite(out[i]);
+        BOOST_TEST(layer1_finite);
+        const auto next = to_double(results[r].outputs[3], DType::kFloat16);
+        bool all_finite = true;
+        for (double v : next) all_finite &= std::isfinite(v);
+        BOOST_TEST(all_finite);  // nothing non-finite was kept
+      }
+      // Ranks 1 and 2 saw the overflow in layer 0: its residual is the one of step 1.
+      for (int r : {1, 2}) {
+        const auto& before = results[r].residuals[1];
+        const auto& after = results[r].residuals[2];
+        BOOST_TEST(memcmp(before.data(), after.data(), 8192 * 4) == 0);
+        BOOST_TEST(memcmp(before.data() + 8192, after.data() + 8192, 8192 * 4) != 0);  // layer 1 moved on
+      }
+    }
+  }
+}
+
+BOOST_AUTO_TEST_CASE(configurations_that_differ_pass_through_on_every_rank) {
+  const auto layout = fixed_layout({4096}, {quant(4)}, DType::kFloat32);
+  struct Case {
+    const char* name;
+    std::function<EngineOptions(int)> options;
+    std::vector<BucketLayout> (*buckets)(const BucketLayout&, int);
+    const char* expected;
+  };
+  auto same = [](const BucketLayout& b, int) { return std::vector<BucketLayout>{b}; };
+  const Case cases[] = {
+      {"parameters",
+       [](int r) {
+         EngineOptions o = fixed_options(Algorithm::kAuto, true);
+         if (r == 2) o.parameters_text = "other";
+         return o;
+       },
+       same, "LGRECO_* parameters that differ from rank 0's on rank(s) 2"},
+      {"invalid",
+       [](int r) {
+         EngineOptions o = fixed_options(Algorithm::kAuto, true);
+         if (r == 1) {
+           o.valid = false;
+           o.invalid_reason = "LGRECO_ALPHA=-1";
+         }
+         return o;
+       },
+       same, "invalid configuration or a local failure (that rank's WARN says which) on rank(s) 1"},
+      {"layouts", [](int) { return fixed_options(Algorithm::kAuto, true); },
+       [](const BucketLayout& b, int r) {
+         BucketLayout other = b;
+         if (r == 0) other.layers[0].candidates = {quant(2)};
+         return std::vector<BucketLayout>{other};
+       },
+       "bucket layouts (registration file) that differ from rank 0's on rank(s) 1, 2"},
+  };
+  for (const Case& c : cases) {
+    auto hub = std::make_shared<InProcHub>(3, 10000ms);
+    std::vector<std::vector<CallOutcome>> outcomes(3);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 3; ++r)
+      threads.emplace_back([&, r] {
+        InProcFabric fabric(hub, r);
+        CpuBackend backend;
+        Engine engine(c.options(r), c.buckets(layout, r), fabric, backend);
+        std::vector<float> x(4096, 1.0f);
+        for (uint64_t step = 0; step < 3; ++step)
+          outcomes[r].push_back(engine.allreduce({0, step, x.data(), x.data(), 4096, DType::kFloat32, ReduceOp::kSum}));
+      });
+    for (auto& t : threads) t.join();
+    for (int r = 0; r < 3; ++r)
+      BOOST_TEST_CONTEXT(c.name << ", rank " << r) {
+        for (const CallOutcome& o : outcomes[r]) BOOST_TEST((o.kind == CallOutcome::Kind::kPassThrough));
+        BOOST_TEST(test::contains(outcomes[r][0].message, c.expected), outcomes[r][0].message);
+      }
+  }
+}
+
+BOOST_AUTO_TEST_CASE(a_rank_that_stops_gives_errors_not_a_hang) {
+  Job job;
+  job.ranks = 4;
+  job.buckets = {fixed_layout({1 << 16}, {quant(4)}, DType::kFloat32)};
+  job.options = [](int) { return fixed_options(Algorithm::kScatterReduceAllGather, true); };
+  job.input = random_inputs(job.buckets, test::run_seed());
+  job.steps = 5;
+  job.timeout = 300ms;
+  job.stops = [](int r, uint64_t step) { return r == 3 && step == 2; };
+  const auto start = std::chrono::steady_clock::now();
+  const auto results = run_job(job);
+  BOOST_TEST(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() < 10.0);
+  for (int r = 0; r < 3; ++r) {
+    BOOST_TEST_REQUIRE(results[r].outcomes.size() == 5u);
+    BOOST_TEST((results[r].outcomes[1].kind == CallOutcome::Kind::kDone));
+    BOOST_TEST((results[r].outcomes[2].kind == CallOutcome::Kind::kError));
+    BOOST_TEST(test::contains(results[r].outcomes[2].message, "dead or stalled"), results[r].outcomes[2].message);
+    BOOST_TEST((results[r].outcomes[4].kind == CallOutcome::Kind::kError));
+    BOOST_TEST(test::contains(results[r].outcomes[4].message, "an earlier compressed allreduce failed"));
+  }
+}
+
+// The controller switches every rank to the same assignment at the same step.
+BOOST_AUTO_TEST_CASE(adaptive_switches_are_the_same_on_every_rank) {
+  const uint64_t seed = test::run_seed();
+  std::vector<CodecSpec> candidates;
+  for (int bits = 2; bits <= 8; ++bits) candidates.push_back(quant(bits));
+  BucketLayout bucket;
+  const std::vector<uint64_t> sizes = {30000, 50000, 20000, 4096};
+  for (size_t l = 0; l < sizes.size(); ++l) {
+    bucket.layers.push_back({"layer" + std::to_string(l), bucket.count, sizes[l], candidates, 2});
+    bucket.count += sizes[l];
+  }
+  Job job;
+  job.ranks = 4;
+  job.buckets = {bucket};
+  job.options = [&](int) {
+    EngineOptions o;
+    o.codec = quant(4);
+    o.candidates = candidates;
+    o.parameters_text = "adaptive";
+    o.controller.schedule = {2, 4, 2, 1};
+    return o;
+  };
+  // Layers of very different scales: the search moves bits to where they pay.
+  job.input = [&](int r, uint64_t step, uint32_t) {
+    std::mt19937_64 rng(seed ^ (uint64_t(r) << 40) ^ step);
+    std::vector<float> x = test::draw(test::Dist::kNormal, bucket.count, rng);
+    for (size_t i = 0; i < x.size(); ++i) x[i] *= i < 30000 ? 100.0f : i < 80000 ? 0.01f : 1.0f;
+    return to_dtype(x, DType::kFloat32);
+  };
+  job.steps = 12;
+  const auto results = run_job(job);
+  for (int r = 0; r < 4; ++r) {
+    for (size_t c = 0; c < results[r].outcomes.size(); ++c) {
+      BOOST_TEST((results[r].outcomes[c].kind == CallOutcome::Kind::kDone), results[r].outcomes[c].message);
+      BOOST_TEST((results[r].outputs[c] == results[0].outputs[c]));
+    }
+    BOOST_TEST(results[r].epoch == results[0].epoch);
+    BOOST_TEST(results[r].codecs == results[0].codecs);
+  }
+  BOOST_TEST(results[0].epoch >= 2u);
+  // The default (4 bits everywhere) is not what the solver keeps for such layers.
+  BOOST_TEST(results[0].codecs != std::vector<std::string>(4, quant(4).str()));
+}
+
+BOOST_AUTO_TEST_SUITE_END()
+
+}  // namespace
+}  // namespace lgreco::collective
