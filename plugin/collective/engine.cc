@@ -490,28 +490,35 @@ void Engine::submit_window() {
   const uint64_t window_last = *window_end_;
   window_end_.reset();
   // The statistics and the cost measurements, summed across ranks in one reduction.
+  // Each rank's exchange time goes to its own slot, so that every rank can take the
+  // smallest: a rank's exchange also waits for slower peers' encoding, and the rank that
+  // arrives last waits least, so its time is the closest to what the link costs.
+  const int n = fabric_.size();
   std::span<double> local = stats_->reduction_buffer();
   std::vector<double> all(local.begin(), local.end());
-  all.push_back(cost_.exchange_seconds);
-  all.push_back(cost_.encoded_bytes);
-  all.push_back(cost_.codec_seconds);
-  all.push_back(cost_.codec_elements);
+  const size_t cost_at = all.size();
+  all.resize(cost_at + 3 + n, 0.0);
+  all[cost_at] = cost_.encoded_bytes;
+  all[cost_at + 1] = cost_.codec_seconds;
+  all[cost_at + 2] = cost_.codec_elements;
+  all[cost_at + 3 + fabric_.rank()] = cost_.exchange_seconds;
   cost_ = WindowCost{};
   auto* device = reinterpret_cast<double*>(scratch(kStats, all.size() * sizeof(double)));
   backend_.upload(device, all.data(), all.size() * sizeof(double));
-  timed_exchange_begin();
   fabric_.all_reduce_sum(std::span<double>(device, all.size()));
-  timed_exchange_end();
   backend_.read_back(all.data(), device, all.size() * sizeof(double))->wait();
   std::copy(all.begin(), all.begin() + local.size(), local.begin());
 
   std::optional<controller::CostModel> model;
-  const double exchange_s = all[local.size()], encoded = all[local.size() + 1];
-  const double codec_s = all[local.size() + 2], elements = all[local.size() + 3];
+  const double encoded = all[cost_at] / n, codec_s = all[cost_at + 1], elements = all[cost_at + 2];
+  const double exchange_s = *std::min_element(all.begin() + cost_at + 3, all.end());
   if (exchange_s > 0 && encoded > 0) {
     model.emplace();
     model->link.bandwidth = encoded / exchange_s;
     if (codec_s > 0 && elements > 0) model->families["quant"].throughput = elements / codec_s;
+    LGRECO_INFO("ENGINE", "window ending at step %llu: exchanges moved %.4g encoded bytes/s, the codec %.4g elements/s",
+                static_cast<unsigned long long>(window_last), model->link.bandwidth,
+                codec_s > 0 ? elements / codec_s : 0.0);
   }
   controller_->submit(window_last, std::move(*stats_), model);
   stats_.emplace(controller_->new_stats());

@@ -1,0 +1,566 @@
+// lgreco-bench: the compressed allreduce, timed and checked, in the manner of nccl-tests'
+// all_reduce_perf. Ranks are threads (--fabric inproc) or processes (--fabric socket:
+// one process per rank with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT as torchrun sets
+// them, or --ranks N to start N local processes).
+//
+// Inputs come from a counter-based hash of (seed, rank, element), so every rank can
+// compute every rank's input and hence the exact float64 sum without exchanging it. The
+// check (-c 1) reports rel_err = ||out - exact||_2 / ||exact||_2 and #wrong, the elements
+// outside the error bound the algorithm guarantees (docs/ENGINE.md, "Error bound"), summed
+// over ranks, plus every element of a rank whose output differs from rank 0's.
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "config/bucket_matcher.h"
+#include "config/params.h"
+#include "config/registration.h"
+#include "config/version.h"
+#include "kernels/quant_math.h"
+#include "plugin/collective/cpu_backend.h"
+#include "plugin/collective/engine.h"
+#include "plugin/collective/inproc_fabric.h"
+#include "plugin/collective/socket_fabric.h"
+#include "tools/bench_util.h"
+#include "tools/cli.h"
+
+namespace lgreco {
+namespace {
+
+using collective::Algorithm;
+using collective::BucketLayout;
+using collective::CallOutcome;
+using collective::Engine;
+using collective::EngineOptions;
+using collective::Fabric;
+using collective::ReduceOp;
+
+constexpr const char* kUsage = R"(usage: lgreco-bench [options]
+
+The compressed allreduce of lgreco's engine, timed and checked like nccl-tests'
+all_reduce_perf. One row per size:
+  size count type codec time(us) algbw busbw wire_B wire_GB/s rel_err #wrong
+algbw = size / time and busbw = algbw * 2 (n-1) / n count uncompressed bytes, as in
+nccl-tests; wire_B is what one rank sent per call, wire_GB/s that over the time.
+
+Sizes and iterations
+  -b, --minbytes SIZE      smallest size (K, M, G suffixes; default 1M)
+  -e, --maxbytes SIZE      largest size (default: the smallest)
+  -f, --stepfactor N       multiply the size by N between rows (default 2)
+  -n, --iters N            timed iterations per size (default 20); time is their median
+  -w, --warmup_iters N     untimed iterations before them (default 5)
+  -c, --check 0|1          check the result of the last iteration (default 1)
+  -d, --datatype T         float, half or bfloat16 (default float)
+  -o, --op sum|avg         the reduction (default sum)
+
+Compression
+  --codec SPEC             a codec spec for every segment (default quant:bits=4), `none`
+                           for the uncompressed algorithm, or `lgreco` for the adaptive
+                           mode with the LGRECO_* parameters
+  --registration FILE      lgreco mode: the buckets of this registration file, called in
+                           order each iteration (one row; -b/-e ignored)
+  --objective size|time    lgreco mode: what the search minimises (default size)
+  --schedule W,P,N,L       lgreco mode: warm-up, period, window and switch lag in
+                           iterations (default 3,1000000,2,2: one solve, in effect from
+                           the 5th iteration; warm-up iterations count)
+  --error-feedback 0|1     keep residuals across iterations (default 0: one-shot error)
+  --algorithm A            auto, sra or allgather (default auto)
+  --segment-bytes SIZE     without a registration, a size is split into segments of
+                           this many bytes that act as layers (default 1M)
+
+Ranks
+  --fabric inproc|socket   threads of this process, or processes over TCP (default inproc)
+  --ranks N                inproc: threads; socket: local processes to start, when RANK
+                           and WORLD_SIZE are not set (default 4)
+  --timeout S              longest wait for a peer, in seconds (default 60)
+  --seed N                 input seed (default 1)
+  -h, --help               this text
+)";
+
+struct Options {
+  uint64_t min_bytes = 1 << 20, max_bytes = 0, factor = 2;
+  int iters = 20, warmup = 5;
+  bool check = true;
+  DType dtype = DType::kFloat32;
+  ReduceOp op = ReduceOp::kSum;
+  std::string codec = "quant:bits=4";
+  std::string registration;
+  std::string objective = "size";
+  uint64_t schedule[4] = {3, 1000000, 2, 2};
+  bool error_feedback = false;
+  Algorithm algorithm = Algorithm::kAuto;
+  uint64_t segment_bytes = 1 << 20;
+  std::string fabric = "inproc";
+  int ranks = 4;
+  uint64_t timeout_s = 60;
+  uint64_t seed = 1;
+  bool adaptive() const { return codec == "lgreco"; }
+};
+
+uint64_t parse_size(const std::string& option, const std::string& text) {
+  uint64_t scale = 1;
+  std::string digits = text;
+  if (!text.empty()) {
+    const char s = text.back();
+    scale = s == 'K' || s == 'k' ? 1ull << 10 : s == 'M' || s == 'm' ? 1ull << 20 : s == 'G' || s == 'g' ? 1ull << 30 : 1;
+    if (scale != 1) digits.pop_back();
+  }
+  const uint64_t v = cli::parse_u64(option, digits);
+  if (v > (uint64_t{1} << 40) / scale) throw cli::UsageError(option + " is too large: " + text);
+  return v * scale;
+}
+
+int parse_int(const std::string& option, const std::string& text, int min, int max) {
+  const uint64_t v = cli::parse_u64(option, text);
+  if (v < static_cast<uint64_t>(min) || v > static_cast<uint64_t>(max))
+    throw cli::UsageError(option + " must be between " + std::to_string(min) + " and " + std::to_string(max) +
+                          ", got " + text);
+  return static_cast<int>(v);
+}
+
+Options parse(int argc, char** argv) {
+  Options o;
+  cli::Args args(argc, argv, 1);
+  while (args.next()) {
+    const std::string a = args.arg();
+    if (args.is_help()) {
+      fputs(kUsage, stdout);
+      exit(0);
+    } else if (a == "-b" || a == "--minbytes") {
+      o.min_bytes = parse_size(a, args.value());
+    } else if (a == "-e" || a == "--maxbytes") {
+      o.max_bytes = parse_size(a, args.value());
+    } else if (a == "-f" || a == "--stepfactor") {
+      o.factor = static_cast<uint64_t>(parse_int(a, args.value(), 2, 1 << 20));
+    } else if (a == "-n" || a == "--iters") {
+      o.iters = parse_int(a, args.value(), 1, 1000000);
+    } else if (a == "-w" || a == "--warmup_iters") {
+      o.warmup = parse_int(a, args.value(), 0, 1000000);
+    } else if (a == "-c" || a == "--check") {
+      o.check = parse_int(a, args.value(), 0, 1) == 1;
+    } else if (a == "-d" || a == "--datatype") {
+      const std::string t = args.value();
+      if (t == "float" || t == "float32") o.dtype = DType::kFloat32;
+      else if (t == "half" || t == "float16") o.dtype = DType::kFloat16;
+      else if (t == "bfloat16") o.dtype = DType::kBFloat16;
+      else throw cli::UsageError(a + " expects float, half or bfloat16, got '" + t + "'");
+    } else if (a == "-o" || a == "--op") {
+      const std::string t = args.value();
+      if (t == "sum") o.op = ReduceOp::kSum;
+      else if (t == "avg") o.op = ReduceOp::kAvg;
+      else throw cli::UsageError(a + " expects sum or avg, got '" + t + "'");
+    } else if (a == "--codec") {
+      o.codec = args.value();
+      if (o.codec != "lgreco") {
+        try {
+          CodecSpec::parse(o.codec);
+        } catch (const CodecError& e) {
+          throw cli::UsageError(std::string("--codec: ") + e.what());
+        }
+      }
+    } else if (a == "--registration") {
+      o.registration = args.value();
+    } else if (a == "--objective") {
+      o.objective = args.value();
+      if (o.objective != "size" && o.objective != "time")
+        throw cli::UsageError("--objective expects size or time, got '" + o.objective + "'");
+    } else if (a == "--schedule") {
+      const std::string t = args.value();
+      unsigned long long v[4];
+      char end;
+      if (sscanf(t.c_str(), "%llu,%llu,%llu,%llu%c", &v[0], &v[1], &v[2], &v[3], &end) != 4)
+        throw cli::UsageError("--schedule expects W,P,N,L (four whole numbers), got '" + t + "'");
+      const std::string rule = config::schedule_rule_violation(v[0], v[1], v[2], v[3]);
+      if (!rule.empty()) throw cli::UsageError("--schedule " + t + ": " + rule);
+      std::copy(v, v + 4, o.schedule);
+    } else if (a == "--error-feedback") {
+      o.error_feedback = parse_int(a, args.value(), 0, 1) == 1;
+    } else if (a == "--algorithm") {
+      const std::string t = args.value();
+      if (!collective::parse_algorithm(t, &o.algorithm))
+        throw cli::UsageError("--algorithm expects auto, sra or allgather, got '" + t + "'");
+    } else if (a == "--segment-bytes") {
+      o.segment_bytes = parse_size(a, args.value());
+      if (o.segment_bytes < 4096) throw cli::UsageError("--segment-bytes must be at least 4096");
+    } else if (a == "--fabric") {
+      o.fabric = args.value();
+      if (o.fabric != "inproc" && o.fabric != "socket")
+        throw cli::UsageError("--fabric expects inproc or socket, got '" + o.fabric + "'");
+    } else if (a == "--ranks") {
+      o.ranks = parse_int(a, args.value(), 1, 1024);
+    } else if (a == "--timeout") {
+      o.timeout_s = static_cast<uint64_t>(parse_int(a, args.value(), 1, 86400));
+    } else if (a == "--seed") {
+      o.seed = cli::parse_u64(a, args.value());
+    } else {
+      throw cli::UsageError("unknown option " + a);
+    }
+  }
+  if (o.max_bytes == 0) o.max_bytes = o.min_bytes;
+  if (o.max_bytes < o.min_bytes) throw cli::UsageError("-e (maxbytes) is smaller than -b (minbytes)");
+  if (!o.registration.empty() && !o.adaptive())
+    throw cli::UsageError("--registration needs --codec lgreco (with a fixed codec use --segment-bytes)");
+  return o;
+}
+
+// ---------------------------------------------------------------------------------------
+// Inputs and the check
+
+uint64_t mix(uint64_t x) {  // splitmix64's finalizer
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// Input element i of a rank: uniform in [-1, 1) times a scale that changes every 64K
+// elements by powers of two (so segments differ, as layers do), rounded to the dtype.
+float input_value(uint64_t seed, int rank, uint64_t i, DType dtype) {
+  const uint64_t h = mix(seed * 0x100000001b3ull ^ (uint64_t(rank) << 48) ^ i);
+  const int exponent = static_cast<int>(mix(seed ^ (i >> 16)) % 12) - 8;
+  const float v = std::ldexp(static_cast<float>(h >> 40) * 0x1p-23f - 1.0f, exponent);
+  return round_to_dtype(v, dtype);
+}
+
+void fill_input(std::vector<uint8_t>& buffer, uint64_t seed, int rank, uint64_t count, DType dtype) {
+  buffer.resize(count * dtype_size(dtype));
+  for (uint64_t i = 0; i < count; ++i) store_from_float(buffer.data(), dtype, i, input_value(seed, rank, i, dtype));
+}
+
+// The largest error one quantization of a bucket of values in [lo, hi] may add.
+double unit_bound(const CodecSpec& spec, double lo, double hi) {
+  if (spec.family() != CodecFamily::kQuant) return 0.0;
+  return (hi - lo) / ((1u << spec.quant_params().bits) - 1);
+}
+
+struct CheckResult {
+  double squared_error = 0, squared_exact = 0;
+  uint64_t wrong = 0;
+};
+
+// Against the float64 sum: each element's error must be within
+//   sum over ranks of their bucket's unit      (first quantization, every algorithm)
+// + the unit of the reduced bucket             (sra's re-quantization, bounded through
+//                                               the exact range widened by the first)
+// + float32 rounding: (ranks + 3) ulps of the sum of magnitudes, and half an ulp of the
+//   output's element type.
+CheckResult check_output(const std::vector<uint8_t>& out, const BucketLayout& layout,
+                         const std::vector<CodecSpec>& codecs, Algorithm algorithm, int ranks, uint64_t seed,
+                         uint64_t offset, ReduceOp op) {
+  CheckResult r;
+  const DType dtype = layout.dtype;
+  const double divisor = op == ReduceOp::kAvg ? ranks : 1;
+  std::vector<double> exact, magnitude;
+  for (size_t l = 0; l < layout.layers.size(); ++l) {
+    const auto& layer = layout.layers[l];
+    const CodecSpec& spec = codecs[l];
+    const uint64_t bucket = spec.family() == CodecFamily::kQuant ? spec.quant_params().bucket : layer.numel;
+    for (uint64_t b0 = 0; b0 < layer.numel; b0 += bucket) {
+      const uint64_t n = std::min(bucket, layer.numel - b0);
+      exact.assign(n, 0.0);
+      magnitude.assign(n, 0.0);
+      double units = 0;
+      for (int rank = 0; rank < ranks; ++rank) {
+        double lo = INFINITY, hi = -INFINITY;
+        for (uint64_t i = 0; i < n; ++i) {
+          const double x = input_value(seed, rank, offset + layer.offset + b0 + i, dtype);
+          exact[i] += x;
+          magnitude[i] += std::fabs(x);
+          lo = std::min(lo, x);
+          hi = std::max(hi, x);
+        }
+        units += unit_bound(spec, lo, hi);
+      }
+      double lo = INFINITY, hi = -INFINITY;
+      for (uint64_t i = 0; i < n; ++i) {
+        lo = std::min(lo, exact[i] / divisor);
+        hi = std::max(hi, exact[i] / divisor);
+      }
+      const double reencode = algorithm == Algorithm::kScatterReduceAllGather
+                                  ? unit_bound(spec, lo - units / divisor, hi + units / divisor)
+                                  : 0.0;
+      for (uint64_t i = 0; i < n; ++i) {
+        const uint64_t e = layer.offset + b0 + i;
+        const double want = exact[i] / divisor;
+        const double got = load_as_float(out.data(), dtype, e);
+        const double rounding = (ranks + 3) * std::ldexp(magnitude[i] / divisor, -23) +
+                                (dtype == DType::kFloat32 ? 0.0 : std::ldexp(std::fabs(want) + units, dtype == DType::kFloat16 ? -10 : -7));
+        const double bound = units / divisor + reencode + rounding;
+        const double d = got - want;
+        r.squared_error += d * d;
+        r.squared_exact += want * want;
+        if (!(std::fabs(d) <= bound)) ++r.wrong;
+      }
+    }
+  }
+  return r;
+}
+
+// ---------------------------------------------------------------------------------------
+// One rank
+
+struct Row {
+  uint64_t bytes = 0, count = 0;
+  std::string codec;
+  double seconds = 0, wire_bytes = 0, rel_err = NAN;
+  double wrong = NAN;
+};
+
+std::vector<BucketLayout> layouts_for(const Options& o, const EngineOptions& eo, uint64_t count) {
+  std::vector<BucketLayout> out;
+  if (!o.registration.empty()) {
+    const config::Registration reg = config::load_registration(o.registration);
+    for (const auto& b : reg.buckets) out.push_back(collective::layout_from_registration(b, eo));
+    return out;
+  }
+  out.push_back(collective::layout_from_registration(config::auto_layout(count, o.dtype, o.segment_bytes), eo));
+  return out;
+}
+
+EngineOptions engine_options(const Options& o, int rank) {
+  EngineOptions eo;
+  if (o.adaptive()) {
+    eo = EngineOptions::from_params(config::params(), rank);
+    eo.mode = config::Mode::kAdaptive;
+    if (!controller::parse_objective(o.objective, &eo.controller.objective))
+      throw cli::UsageError("bad --objective");
+    if (eo.controller.objective == controller::Objective::kTime &&
+        std::find(eo.candidates.begin(), eo.candidates.end(), CodecSpec::none()) == eo.candidates.end())
+      eo.candidates.push_back(CodecSpec::none());
+    eo.controller.schedule = {o.schedule[0], o.schedule[1], o.schedule[2], o.schedule[3]};
+    eo.controller.decision_log_path.clear();
+  } else {
+    eo.mode = config::Mode::kUniform;
+    eo.codec = CodecSpec::parse(o.codec);
+    eo.candidates = {eo.codec};
+  }
+  eo.error_feedback = o.error_feedback;
+  eo.algorithm = o.algorithm;
+  eo.valid = true;
+  eo.parameters_text = "lgreco-bench " + o.codec + " " + o.objective;  // every rank runs the same command
+  return eo;
+}
+
+// Runs every size on this rank; rank 0's rows are returned.
+std::vector<Row> run_rank(const Options& o, Fabric& fabric) {
+  const int n = fabric.size(), me = fabric.rank();
+  collective::CpuBackend backend;
+  std::vector<Row> rows;
+  std::vector<uint64_t> sizes;
+  if (!o.registration.empty()) sizes = {0};
+  else
+    for (uint64_t s = o.min_bytes; s <= o.max_bytes; s *= o.factor) {
+      sizes.push_back(s);
+      if (s > o.max_bytes / o.factor) break;
+    }
+  for (uint64_t size : sizes) {
+    const uint64_t count = size / dtype_size(o.dtype);
+    const EngineOptions eo = engine_options(o, me);
+    const std::vector<BucketLayout> buckets = layouts_for(o, eo, count);
+    Engine engine(eo, buckets, fabric, backend);
+    std::vector<std::vector<uint8_t>> inputs(buckets.size()), outputs(buckets.size());
+    uint64_t offset = 0, total_count = 0;
+    for (size_t b = 0; b < buckets.size(); ++b) {
+      fill_input(inputs[b], o.seed, me, buckets[b].count, o.dtype);
+      // Element i of bucket b draws input i + offset: buckets hold different values.
+      for (uint64_t i = 0; i < buckets[b].count; ++i)
+        store_from_float(inputs[b].data(), o.dtype, i, input_value(o.seed, me, offset + i, o.dtype));
+      offset += buckets[b].count;
+      outputs[b].assign(inputs[b].size(), 0);
+      total_count += buckets[b].count;
+    }
+    std::vector<double> times;
+    double wire = 0;
+    std::string codec_name;
+    uint64_t step = 0;
+    auto iterate = [&](bool timed) {
+      const uint64_t sent_before = engine.counters().wire_bytes_sent;
+      const double start = cli::seconds_now();
+      for (size_t b = 0; b < buckets.size(); ++b) {
+        const CallOutcome out = engine.allreduce({static_cast<uint32_t>(b), step, inputs[b].data(), outputs[b].data(),
+                                                  buckets[b].count, o.dtype, o.op, false});
+        if (out.kind == CallOutcome::Kind::kError) throw std::runtime_error(out.message);
+        if (out.kind == CallOutcome::Kind::kPassThrough)
+          throw std::runtime_error("the engine passed the call through: " + out.message);
+      }
+      const double seconds = cli::seconds_now() - start;
+      ++step;
+      if (timed) {
+        times.push_back(seconds);
+        wire += static_cast<double>(engine.counters().wire_bytes_sent - sent_before);
+      }
+    };
+    for (int i = 0; i < o.warmup; ++i) iterate(false);
+    for (int i = 0; i < o.iters; ++i) iterate(true);
+
+    Row row;
+    row.bytes = total_count * dtype_size(o.dtype);
+    row.count = total_count;
+    std::sort(times.begin(), times.end());
+    row.seconds = times[times.size() / 2];
+    row.wire_bytes = wire / o.iters;
+    if (o.adaptive()) {
+      // The adaptive assignment: average bits per value of the last iteration's codecs.
+      double bits = 0;
+      for (size_t b = 0; b < buckets.size(); ++b) {
+        const auto codecs = engine.layer_codecs(static_cast<uint32_t>(b));
+        for (size_t l = 0; l < codecs.size(); ++l)
+          bits += 8.0 * collective::encoded_bytes(codecs[l], o.dtype, buckets[b].layers[l].numel);
+      }
+      char text[64];
+      snprintf(text, sizeof text, "lgreco(%.2fb,e%llu)", bits / total_count,
+               static_cast<unsigned long long>(engine.epoch()));
+      row.codec = text;
+    } else {
+      row.codec = o.codec;
+    }
+    if (o.check) {
+      CheckResult c;
+      uint64_t at = 0;
+      for (size_t b = 0; b < buckets.size(); ++b) {
+        const CheckResult cb = check_output(outputs[b], buckets[b], engine.layer_codecs(static_cast<uint32_t>(b)),
+                                            engine.algorithm(static_cast<uint32_t>(b)), n, o.seed, at, o.op);
+        c.squared_error += cb.squared_error;
+        c.squared_exact += cb.squared_exact;
+        c.wrong += cb.wrong;
+        at += buckets[b].count;
+      }
+      // Bit-identical outputs: every rank compares a digest of its output with rank 0's.
+      uint64_t h = 0xcbf29ce484222325ull;
+      for (const auto& out : outputs) h = collective::digest({reinterpret_cast<const char*>(out.data()), out.size()}, h);
+      std::vector<double> sums(n + 1, 0.0);
+      sums[me] = static_cast<double>(h >> 12);  // 52 bits: exact in a double
+      sums[n] = static_cast<double>(o.error_feedback ? 0 : c.wrong);
+      fabric.all_reduce_sum(std::span<double>(sums));
+      double wrong = sums[n];
+      for (int r = 1; r < n; ++r)
+        if (sums[r] != sums[0]) wrong += static_cast<double>(total_count);
+      row.rel_err = c.squared_exact > 0 ? std::sqrt(c.squared_error / c.squared_exact) : 0.0;
+      row.wrong = o.error_feedback ? NAN : wrong;
+    }
+    if (me == 0) rows.push_back(row);
+  }
+  return rows;
+}
+
+void print_header(const Options& o, int ranks) {
+  printf("# lgreco-bench %s (%s)\n", version_string(), bench::utc_now().c_str());
+  printf("# ranks %d, fabric %s, backend cpu, codec %s, algorithm %s, error feedback %s, op %s, datatype %s\n",
+         ranks, o.fabric.c_str(), o.codec.c_str(), collective::algorithm_name(o.algorithm),
+         o.error_feedback ? "on" : "off", o.op == ReduceOp::kAvg ? "avg" : "sum", dtype_name(o.dtype));
+  if (o.adaptive())
+    printf("# lgreco: objective %s, schedule %llu,%llu,%llu,%llu%s%s\n", o.objective.c_str(),
+           static_cast<unsigned long long>(o.schedule[0]), static_cast<unsigned long long>(o.schedule[1]),
+           static_cast<unsigned long long>(o.schedule[2]), static_cast<unsigned long long>(o.schedule[3]),
+           o.registration.empty() ? "" : ", registration ", o.registration.c_str());
+  printf("# iterations %d timed (median) after %d warm-up; seed %llu; cpu %s\n", o.iters, o.warmup,
+         static_cast<unsigned long long>(o.seed), bench::cpu_model().c_str());
+  printf("#%12s %12s %9s %22s %11s %9s %9s %12s %9s %10s %8s\n", "size", "count", "type", "codec", "time(us)",
+         "algbw", "busbw", "wire_B", "wire_GB/s", "rel_err", "#wrong");
+  fflush(stdout);
+}
+
+void print_row(const Row& r, const Options& o, int ranks) {
+  const double algbw = r.bytes / r.seconds / 1e9;
+  const double busbw = algbw * 2.0 * (ranks - 1) / ranks;
+  char wrong[32] = "-", rel[32] = "-";
+  if (!std::isnan(r.wrong)) snprintf(wrong, sizeof wrong, "%.0f", r.wrong);
+  if (!std::isnan(r.rel_err)) snprintf(rel, sizeof rel, "%.3e", r.rel_err);
+  printf(" %12llu %12llu %9s %22s %11.1f %9.3f %9.3f %12.0f %9.3f %10s %8s\n",
+         static_cast<unsigned long long>(r.bytes), static_cast<unsigned long long>(r.count), dtype_name(o.dtype),
+         r.codec.c_str(), r.seconds * 1e6, algbw, busbw, r.wire_bytes, r.wire_bytes / r.seconds / 1e9, rel, wrong);
+  fflush(stdout);
+}
+
+// Returns the process exit code: 0, or 1 when a row has wrong elements.
+int report(const std::vector<Row>& rows, const Options& o, int ranks) {
+  uint64_t wrong = 0;
+  for (const Row& r : rows) {
+    print_row(r, o, ranks);
+    if (!std::isnan(r.wrong)) wrong += static_cast<uint64_t>(r.wrong);
+  }
+  if (o.check) printf("# Out of bounds values : %llu %s\n", static_cast<unsigned long long>(wrong), wrong ? "FAILED" : "OK");
+  return wrong ? 1 : 0;
+}
+
+int run_inproc(const Options& o) {
+  auto hub = std::make_shared<collective::InProcHub>(o.ranks, std::chrono::seconds(o.timeout_s));
+  std::vector<Row> rows;
+  std::vector<std::string> errors(o.ranks);
+  std::vector<std::thread> threads;
+  print_header(o, o.ranks);
+  for (int r = 0; r < o.ranks; ++r)
+    threads.emplace_back([&, r] {
+      collective::InProcFabric fabric(hub, r);
+      try {
+        auto mine = run_rank(o, fabric);
+        if (r == 0) rows = std::move(mine);
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+        hub->abort("rank " + std::to_string(r) + " failed");
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < o.ranks; ++r)
+    if (!errors[r].empty()) throw std::runtime_error("rank " + std::to_string(r) + ": " + errors[r]);
+  return report(rows, o, o.ranks);
+}
+
+int run_socket_rank(const Options& o, const collective::SocketFabricOptions& so) {
+  auto fabric = collective::SocketFabric::create(so);
+  if (so.rank == 0) print_header(o, so.world_size);
+  const std::vector<Row> rows = run_rank(o, *fabric);
+  return so.rank == 0 ? report(rows, o, so.world_size) : 0;
+}
+
+// --fabric socket without RANK/WORLD_SIZE: start --ranks local processes.
+int run_socket(const Options& o) {
+  if (getenv("RANK") && getenv("WORLD_SIZE")) {
+    collective::SocketFabricOptions so = collective::SocketFabricOptions::from_env();
+    so.timeout = std::chrono::seconds(o.timeout_s);
+    return run_socket_rank(o, so);
+  }
+  collective::SocketFabricOptions so;
+  so.world_size = o.ranks;
+  so.master_host = "127.0.0.1";
+  so.master_port = static_cast<uint16_t>(20000 + getpid() % 20000);
+  so.timeout = std::chrono::seconds(o.timeout_s);
+  fflush(stdout);
+  std::vector<pid_t> children;
+  for (int r = 0; r < o.ranks; ++r) {
+    const pid_t pid = fork();
+    if (pid < 0) throw std::runtime_error(std::string("fork: ") + strerror(errno));
+    if (pid == 0) {
+      so.rank = r;
+      const int code = cli::guarded_main("lgreco-bench", [&] { return run_socket_rank(o, so); });
+      fflush(stdout);
+      _exit(code);
+    }
+    children.push_back(pid);
+  }
+  int worst = 0;
+  for (pid_t pid : children) {
+    int status = 0;
+    waitpid(pid, &status, 0);
+    const int code = WIFEXITED(status) ? WEXITSTATUS(status) : 1;
+    worst = std::max(worst, code);
+  }
+  return worst;
+}
+
+}  // namespace
+}  // namespace lgreco
+
+int main(int argc, char** argv) {
+  return lgreco::cli::guarded_main("lgreco-bench", [&] {
+    const lgreco::Options o = lgreco::parse(argc, argv);
+    return o.fabric == "socket" ? lgreco::run_socket(o) : lgreco::run_inproc(o);
+  });
+}
