@@ -13,6 +13,7 @@ PACKAGES=(
   python3-torchvision # the ResNet-50 example registration
   clang               # libFuzzer for `make fuzz` (clang++ -fsanitize=fuzzer)
   libclang-rt-14-dev  # clang's fuzzer and sanitizer runtimes (Debian 12's clang is 14)
+  iproute2            # ip and tc: `make netbench` (namespaces, veth, tbf rate limits)
 )
 
 if ! command -v dpkg-query >/dev/null 2>&1; then

@@ -154,6 +154,15 @@ BucketLayout layout_from_registration(const config::RegisteredBucket& bucket, co
 // ---------------------------------------------------------------------------------------
 // Per-bucket state
 
+// One measured call's candidate errors on their way to the host.
+struct Engine::Sample {
+  uint32_t bucket = 0;
+  std::unique_ptr<Backend::Buffer> device;
+  std::vector<double> squared;    // layers x candidates
+  std::vector<uint8_t> nonfinite;  // layers
+  std::unique_ptr<Event> squared_ready, nonfinite_ready;
+};
+
 struct Engine::BucketState {
   uint32_t layer_base = 0;            // global index of layer 0 (noise keys)
   std::vector<int32_t> controller_of;  // per layer: index among the controller's layers, or -1
@@ -411,6 +420,7 @@ CallOutcome Engine::run(const EngineCall& call) {
   last_step_ = call.step;
 
   // A finished measurement window: aggregate and submit before this step's exchange.
+  collect_samples(false);
   if (window_end_ && call.step > *window_end_) submit_window();
 
   if (controller_) {
@@ -462,23 +472,29 @@ CallOutcome Engine::run(const EngineCall& call) {
 void Engine::measure(BucketState& b, const EngineCall& call) {
   const size_t layers = buckets_[call.bucket].layers.size();
   const size_t c = measured_candidates_.size();
-  std::vector<double> squared(layers * c);
-  std::vector<uint8_t> nonfinite(layers);
-  // Results land in backend memory and come back through a read-back.
-  const uint64_t squared_bytes = squared.size() * sizeof(double);
-  uint8_t* device = scratch(kStats, squared_bytes + layers);
+  // Results land in backend memory of their own and come back through a read-back that
+  // nobody waits for until the window ends (or the result is already there).
+  // Sample buffers are recycled: a window allocates them once.
+  std::unique_ptr<Sample> sample;
+  if (!spare_samples_.empty()) {
+    sample = std::move(spare_samples_.back());
+    spare_samples_.pop_back();
+  } else {
+    sample = std::make_unique<Sample>();
+  }
+  sample->bucket = call.bucket;
+  sample->squared.resize(layers * c);
+  sample->nonfinite.resize(layers);
+  const uint64_t squared_bytes = sample->squared.size() * sizeof(double);
+  if (!sample->device || sample->device->bytes() < squared_bytes + layers)
+    sample->device = backend_.allocate(squared_bytes + layers);
+  auto* device = static_cast<uint8_t*>(sample->device->data());
   Backend::Measure m{measured_candidates_, b.measured, reinterpret_cast<double*>(device), device + squared_bytes};
   const float* residual = b.residual ? static_cast<const float*>(b.residual->data()) : nullptr;
   backend_.measure(b.whole, b.whole.segments, ElementSpan{const_cast<void*>(call.send), call.dtype, 0}, residual, 0, m);
-  backend_.read_back(squared.data(), device, squared_bytes)->wait();
-  backend_.read_back(nonfinite.data(), device + squared_bytes, layers)->wait();
-  for (size_t l = 0; l < layers; ++l) {
-    const int32_t k = b.controller_of[l];
-    if (k < 0) continue;
-    std::span<double> sample(squared.data() + l * c, c);
-    if (nonfinite[l]) std::fill(sample.begin(), sample.end(), std::numeric_limits<double>::infinity());
-    stats_->add(static_cast<size_t>(k), sample);  // a non-finite sample is counted as skipped
-  }
+  sample->squared_ready = backend_.read_back(sample->squared.data(), device, squared_bytes);
+  sample->nonfinite_ready = backend_.read_back(sample->nonfinite.data(), device + squared_bytes, layers);
+  samples_.push_back(std::move(sample));
   if (!window_end_) {
     uint64_t end = call.step;
     while (!controller_->schedule().window_ends(end)) ++end;
@@ -486,9 +502,30 @@ void Engine::measure(BucketState& b, const EngineCall& call) {
   }
 }
 
+void Engine::collect_samples(bool wait) {
+  while (!samples_.empty()) {
+    Sample& s = *samples_.front();
+    if (!wait && !(s.squared_ready->ready() && s.nonfinite_ready->ready())) return;
+    s.squared_ready->wait();
+    s.nonfinite_ready->wait();
+    const BucketState& b = *state_of_[s.bucket];
+    const size_t c = measured_candidates_.size();
+    for (size_t l = 0; l < b.controller_of.size(); ++l) {
+      const int32_t k = b.controller_of[l];
+      if (k < 0) continue;
+      std::span<double> values(s.squared.data() + l * c, c);
+      if (s.nonfinite[l]) std::fill(values.begin(), values.end(), std::numeric_limits<double>::infinity());
+      stats_->add(static_cast<size_t>(k), values);  // a non-finite sample is counted as skipped
+    }
+    spare_samples_.push_back(std::move(samples_.front()));
+    samples_.pop_front();
+  }
+}
+
 void Engine::submit_window() {
   const uint64_t window_last = *window_end_;
   window_end_.reset();
+  collect_samples(true);
   // The statistics and the cost measurements, summed across ranks in one reduction.
   // Each rank's exchange time goes to its own slot, so that every rank can take the
   // smallest: a rank's exchange also waits for slower peers' encoding, and the rank that

@@ -32,6 +32,7 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <optional>
 #include <string>
@@ -155,6 +156,7 @@ class Engine {
   std::string agree(uint64_t assignment_digest, bool local_ok, const std::string& local_problem);
   void switch_to(std::shared_ptr<const controller::Assignment> assignment);  // plans, buffers
   void measure(BucketState& b, const EngineCall& call);
+  void collect_samples(bool wait);  // measured errors that reached the host, into stats_
   void submit_window();
   void reduce_scatter_allgather(BucketState& b, const EngineCall& call);
   void all_gather(BucketState& b, const EngineCall& call);
@@ -179,6 +181,8 @@ class Engine {
   // Statistics of the current window.
   std::optional<controller::ErrorStats> stats_;
   std::optional<uint64_t> window_end_;  // the window being measured ends at this step
+  std::deque<std::unique_ptr<Sample>> samples_;  // measured, not yet in stats_
+  std::vector<std::unique_ptr<Sample>> spare_samples_;
   struct WindowCost {
     double exchange_seconds = 0, encoded_bytes = 0, codec_seconds = 0, codec_elements = 0;
   } cost_;
