@@ -1,0 +1,149 @@
+// SocketFabric: the Fabric for ranks that are processes (or threads, in tests), over the
+// TCP transport (plugin/transport/tcp_transport.h). What lgreco-bench and the tests use
+// where there is no NCCL; also the reference the NCCL fabric is checked against.
+//
+// Creation is collective: every rank calls SocketFabric::create with the same world
+// size and rendezvous address, in any order, within the timeout.
+//
+//   1. Rendezvous (torchrun's MASTER_ADDR/MASTER_PORT). Rank 0 listens there, draws a
+//      random communicator id, and tells it to each rank that connects; each rank opens
+//      a transport listener for that communicator and sends its ListenHandle; once all
+//      have, rank 0 answers every rank with the table of all handles and closes the
+//      rendezvous listener. Ranks that start before rank 0 retry with backoff.
+//   2. Full mesh: every rank connects to every other rank's listener (a send comm per
+//      peer) and accepts a connection from each (a recv comm per peer); the transport's
+//      handshake checks communicator and ranks. The data listeners close afterwards.
+//
+// Operations post every receive and send they need and drive them together with poll(),
+// so that no rank sends everything before receiving (which deadlocks on messages larger
+// than the socket buffers). Every message carries the operation's sequence number as
+// its tag, so ranks that disagree on the sequence of calls get an error, not garbage.
+//
+// Errors: a peer that moves no bytes for `timeout` while this rank waits for it, a closed
+// connection (a dead peer is seen at once), or a byte count the peer disagrees with
+// throws FabricError naming the operation, the peer and the likely cause. The fabric is
+// then broken: it closes its connections (so that the peers fail at once too, instead
+// of waiting out their timeout) and every later call throws.
+//
+// One thread at a time may call the operations; counters() may be read from any thread.
+#pragma once
+
+#include <poll.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "plugin/collective/fabric.h"
+#include "plugin/transport/tcp_transport.h"
+
+namespace lgreco::collective {
+
+struct SocketFabricOptions {
+  // How long any wait may last: connecting at rendezvous, waiting for the other ranks,
+  // and, in an operation, a peer that moves no bytes.
+  static constexpr std::chrono::milliseconds kDefaultTimeout{std::chrono::minutes(5)};
+
+  int rank = 0;
+  int world_size = 1;
+  std::string master_host = "127.0.0.1";  // rank 0's rendezvous address (a name or a numeric address)
+  uint16_t master_port = 29500;
+  std::chrono::milliseconds timeout = kDefaultTimeout;
+
+  // As torchrun sets them: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE; timeout stays the
+  // default. Throws std::invalid_argument naming a variable that is missing or invalid.
+  static SocketFabricOptions from_env();
+};
+
+// Traffic with one peer (the transport's counters of both directions), for telemetry.
+struct PeerTraffic {
+  int rank = -1;
+  transport::CommCounters sent;
+  transport::CommCounters received;
+};
+
+class SocketFabric final : public Fabric {
+ public:
+  // Rendezvous and full mesh (see above). Throws std::invalid_argument for impossible
+  // options and FabricError when the other ranks cannot be reached within the timeout.
+  static std::unique_ptr<SocketFabric> create(const SocketFabricOptions& options);
+  ~SocketFabric() override;
+
+  int rank() const override { return rank_; }
+  int size() const override { return world_size_; }
+  std::string name() const override { return "socket"; }
+
+  void all_to_all_v(const uint8_t* send, std::span<const uint64_t> send_bytes, uint8_t* recv,
+                    std::span<const uint64_t> recv_bytes) override;
+  void all_gather_v(const uint8_t* send, std::span<const uint64_t> bytes, uint8_t* recv) override;
+  void all_reduce_sum(std::span<float> data) override;
+  void all_reduce_sum(std::span<double> data) override;
+
+  FabricCounters counters() const override;
+
+  // The communicator id rank 0 drew (the same on every rank).
+  uint64_t comm_id() const { return comm_id_; }
+  // One entry per other rank, in rank order.
+  std::vector<PeerTraffic> peer_traffic() const;
+  // Whether an error has broken the fabric (every call now throws).
+  bool broken() const;
+
+ private:
+  struct Peer {
+    std::unique_ptr<transport::SendComm> send;
+    std::unique_ptr<transport::RecvComm> recv;
+  };
+  // One message of an operation: a send to or a receive from `peer`.
+  struct Transfer {
+    int peer = 0;
+    bool is_send = false;
+    uint8_t* data = nullptr;
+    uint64_t bytes = 0;
+    transport::Request* request = nullptr;
+    bool done = false;
+  };
+  class Operation;  // one call's bookkeeping: refusal when broken, call count, busy time
+
+  SocketFabric(const SocketFabricOptions& options, uint64_t comm_id, std::vector<Peer> peers);
+
+  // Posts every transfer and drives them all to completion, or throws FabricError.
+  void exchange(const char* op, std::vector<Transfer>& transfers);
+  template <typename T>
+  void reduce_sum(std::span<T> data, const char* op);
+  [[noreturn]] void fail(const char* op, const std::string& detail);
+  void check_usable(const char* op) const;
+  std::vector<PeerTraffic> traffic_locked() const;
+
+  const int rank_;
+  const int world_size_;
+  const std::chrono::milliseconds timeout_;
+  const uint64_t comm_id_;
+  std::vector<Peer> peers_;  // indexed by rank; this rank's entry stays empty
+  int32_t next_tag_ = 0;
+
+  // When each peer last moved a byte, during an exchange (indexed by rank).
+  struct Watch {
+    uint64_t seen = 0;  // wire bytes of both directions
+    std::chrono::steady_clock::time_point last;
+  };
+
+  // Reused between calls, so that steady-state operations allocate nothing.
+  std::vector<Transfer> transfers_;
+  std::vector<uint8_t> scratch_;
+  std::vector<uint64_t> send_offsets_, recv_offsets_;
+  std::vector<Watch> watch_;
+  std::vector<struct pollfd> pollfds_;
+
+  // Guards what other threads may read (counters, traffic, broken state) and every
+  // change to peers_ (which only the calling thread makes).
+  mutable std::mutex mutex_;
+  FabricCounters counters_;
+  std::string broken_reason_;
+  std::vector<PeerTraffic> final_traffic_;  // peer_traffic() once the connections are closed
+};
+
+}  // namespace lgreco::collective

@@ -1,0 +1,357 @@
+// The TCP transport: lgreco's one way of moving bytes between processes, in the shape of
+// NCCL's net API (src/transport/net_socket.cc at v2.28.9-1), so that the net-plugin ABI
+// adapter (plugin/net/) is a thin layer over it and the socket fabric
+// (plugin/collective/socket_fabric.h) uses the same code.
+//
+//   receiver                                  sender
+//   listener = listen(address, self)
+//   ... ships listener->handle() (128 plain bytes) to the sender out of band ...
+//                                             pending = connect(handle, self)
+//   pending = listener->accept()
+//   step() both until kDone                   (never blocks; poll their fd() meanwhile)
+//   recv = pending->take()                    send = pending->take()
+//   r = recv->irecv(1, data, sizes, tags)     s = send->isend(data, size, tag)
+//   recv->test(r, &done, sizes) until done    send->test(s, &done, &size) until done
+//
+// Connections are one-way, as in NCCL: a SendComm only sends, a RecvComm only receives.
+// A handshake on every new connection proves that the peer is an lgreco endpoint of the
+// same communicator that read this listener's handle; anything else is refused with a
+// message saying what it was.
+//
+// Messages on a connection arrive in the order they were posted. Each is a 16-byte
+// header (payload size, tag, sequence number) and the payload; a receive posted with a
+// smaller buffer than the message is an error naming the peer and both sizes. Sizes are
+// 64-bit: messages from 0 bytes to many GiB.
+//
+// No thread of its own: bytes move when test() is called (NCCL's proxy thread calls
+// test() in a loop; the socket fabric polls fd() and calls test()). A comm, a listener and
+// a pending connect/accept are used by one thread at a time; counters() may be read from
+// any thread (telemetry).
+//
+// Room for later (net-plugin issue): several sockets per connection (the handle and the
+// handshake already carry a socket count and index; today both are 1 and 0) and helper
+// threads for large messages.
+#pragma once
+
+#include <poll.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <type_traits>
+
+#include "plugin/transport/socket.h"
+
+namespace lgreco::transport {
+
+// NCCL_NET_HANDLE_MAXSIZE: the bytes NCCL reserves for a listen handle.
+inline constexpr size_t kHandleMaxBytes = 128;
+// Version of the handle layout, the handshake and the message header. Peers of another
+// version are refused (mixed lgreco installations in one job).
+inline constexpr uint32_t kProtocolVersion = 1;
+// Requests one comm can have in flight (NCCL_NET_MAX_REQUESTS).
+inline constexpr int kMaxRequests = 32;
+// Buffers one grouped irecv may post (NCCL's maxRecvs); each message's tag picks its buffer.
+inline constexpr int kMaxRecvs = 8;
+// A rank that is not known: NCCL does not tell a net plugin the ranks it connects.
+inline constexpr int kUnknownRank = -1;
+// The largest message isend accepts; anything bigger is a caller's arithmetic gone wrong
+// (a negative count turned unsigned), not a gradient.
+inline constexpr uint64_t kMaxMessageBytes = uint64_t{1} << 40;
+
+// Who an endpoint is: its communicator (a job-wide random id) and its rank in it.
+struct Identity {
+  uint64_t comm_id = 0;
+  int rank = kUnknownRank;
+};
+
+// The bytes on the wire, exposed so that tests can play a misbehaving peer. All fields
+// are little-endian.
+namespace wire {
+
+// Little-endian field access, so that what goes on the wire does not depend on the host:
+// put() appends a field at `out` and advances it, get() reads one and advances `in`.
+template <typename T>
+void put(uint8_t*& out, T value) {
+  using U = std::make_unsigned_t<T>;
+  const U bits = static_cast<U>(value);
+  for (size_t i = 0; i < sizeof(T); ++i) *out++ = static_cast<uint8_t>(bits >> (8 * i));
+}
+template <typename T>
+T get(const uint8_t*& in) {
+  using U = std::make_unsigned_t<T>;
+  U bits = 0;
+  for (size_t i = 0; i < sizeof(T); ++i) bits = static_cast<U>(bits | static_cast<U>(*in++) << (8 * i));
+  return static_cast<T>(bits);
+}
+
+// Connector -> listener, first thing on a connection (the fields, then 8 reserved zero
+// bytes).
+struct Hello {
+  uint64_t magic = 0;  // kHelloMagic
+  uint32_t version = 0;
+  uint16_t socket_index = 0;  // which of socket_count sockets of one connection this is
+  uint16_t socket_count = 0;
+  uint64_t comm_id = 0;
+  uint64_t nonce = 0;  // the listener's, read from its handle
+  int32_t from_rank = kUnknownRank;
+  int32_t to_rank = kUnknownRank;  // the rank the handle named
+};
+inline constexpr size_t kHelloBytes = 48;
+inline constexpr uint64_t kHelloMagic = 0x4f4c4c4548434752;  // "RGCHELLO"
+
+// Listener -> connector, the answer.
+enum class ReplyStatus : uint32_t {
+  kAccepted = 0,
+  kVersionMismatch = 1,
+  kWrongCommunicator = 2,
+  kWrongRank = 3,
+  kStaleHandle = 4,
+  kBadSocketCount = 5,
+};
+const char* reply_status_name(uint32_t status);
+struct Reply {
+  uint64_t magic = 0;  // kReplyMagic
+  uint32_t version = 0;
+  uint32_t status = 0;  // ReplyStatus
+  uint64_t comm_id = 0;
+  int32_t rank = kUnknownRank;  // the listener's
+};
+inline constexpr size_t kReplyBytes = 32;
+inline constexpr uint64_t kReplyMagic = 0x594c504552434752;  // "RGCREPLY"
+
+// Before every payload.
+struct MessageHeader {
+  uint64_t size = 0;
+  int32_t tag = 0;
+  uint32_t sequence = 0;  // per connection, from 0; catches a stream out of step
+};
+inline constexpr size_t kMessageHeaderBytes = 16;
+
+void encode(const Hello& hello, uint8_t out[kHelloBytes]);
+Hello decode_hello(const uint8_t in[kHelloBytes]);
+void encode(const Reply& reply, uint8_t out[kReplyBytes]);
+Reply decode_reply(const uint8_t in[kReplyBytes]);
+void encode(const MessageHeader& header, uint8_t out[kMessageHeaderBytes]);
+MessageHeader decode_header(const uint8_t in[kMessageHeaderBytes]);
+
+}  // namespace wire
+
+// A random 64-bit id (never 0) from the operating system's entropy: communicator ids,
+// listener nonces.
+uint64_t random_id();
+
+// What a receiver publishes so that senders can connect to it. Plain bytes: it is copied
+// between processes as is (through NCCL's bootstrap or the fabric's rendezvous), so
+// everything in it is checked again before use (check_handle). Host byte order, as NCCL's
+// own handles.
+struct ListenHandle {
+  uint64_t magic;                             // kHandleMagic
+  uint32_t version;                           // kProtocolVersion
+  uint16_t socket_count;                      // sockets per connection the listener expects (1 today)
+  uint16_t address_length;                    // bytes of `address` in use
+  uint64_t comm_id;                           // the listener's communicator
+  uint64_t nonce;                             // random per listener: a connection must name it (no stale handles)
+  int32_t rank;                               // the listener's rank, or kUnknownRank
+  uint32_t reserved;                          // zero
+  uint8_t address[SocketAddress::kMaxBytes];  // a sockaddr_in or sockaddr_in6
+};
+static_assert(sizeof(ListenHandle) <= kHandleMaxBytes, "a ListenHandle must fit NCCL_NET_HANDLE_MAXSIZE");
+static_assert(std::is_trivially_copyable_v<ListenHandle> && std::is_standard_layout_v<ListenHandle>,
+              "a ListenHandle is copied between processes as plain bytes");
+
+inline constexpr uint64_t kHandleMagic = 0x314c444e48434752;  // "RGCHNDL1" in memory
+
+// Why `handle` cannot be connected to ("" if it can): wrong magic or version, an address
+// of a wrong length or family, a socket count out of range.
+std::string check_handle(const ListenHandle& handle);
+// The handle's address ("(invalid)" when it has none).
+std::string handle_address(const ListenHandle& handle);
+
+// What step() and test() report.
+enum class Progress { kPending, kDone, kError };
+
+// Traffic on one comm, for telemetry. Bytes count as they move, not when a message ends.
+struct CommCounters {
+  uint64_t payload_bytes = 0;  // message payloads sent (SendComm) or received (RecvComm)
+  uint64_t wire_bytes = 0;     // the same plus message headers: any sign of life
+  uint64_t messages = 0;       // completed messages
+  uint64_t busy_ns = 0;        // time with at least one request in flight (finished spans)
+};
+
+class SendComm;
+class RecvComm;
+class PendingAccept;
+// One posted isend or irecv: a slot of its comm's fixed pool (the data path never
+// allocates). Valid from isend/irecv until test() reports it done or failed.
+struct Request;
+
+// Listens for connections from senders.
+class Listener {
+ public:
+  ~Listener();
+  Listener(const Listener&) = delete;
+  Listener& operator=(const Listener&) = delete;
+
+  const ListenHandle& handle() const { return handle_; }
+  const Identity& identity() const { return self_; }
+  const SocketAddress& address() const { return address_; }
+  // Readable (POLLIN) when a connection waits to be accepted.
+  int fd() const { return fd_.get(); }
+
+  // Starts accepting the next connection. The returned object must not outlive this
+  // listener. Several may be pending at once; each takes one connection.
+  std::unique_ptr<PendingAccept> accept();
+
+ private:
+  friend std::unique_ptr<Listener> listen(const SocketAddress&, const Identity&);
+  Listener() = default;
+  Fd fd_;
+  Identity self_;
+  SocketAddress address_;
+  ListenHandle handle_{};
+};
+
+// Listens on `address` (port 0: any free port) as endpoint `self`. The handle names the
+// address actually bound; a wildcard address (0.0.0.0) is not something a peer can reach,
+// so bind to a concrete interface. Throws TransportError.
+std::unique_ptr<Listener> listen(const SocketAddress& address, const Identity& self);
+
+// A connection being made to a listener: non-blocking connect, then the handshake.
+class PendingConnect {
+ public:
+  enum class Stage { kConnecting, kSendingHello, kReceivingReply, kDone, kFailed };
+
+  ~PendingConnect();
+  // Moves as far as it can without blocking. kDone once (then take()); kError with error().
+  Progress step();
+  Stage stage() const { return stage_; }
+  const std::string& error() const { return error_; }
+  // What to poll for before stepping again (-1 and 0 once done or failed).
+  int fd() const { return fd_.get(); }
+  short poll_events() const;
+  // The connection, once step() reported kDone; nullptr otherwise or a second time.
+  std::unique_ptr<SendComm> take();
+
+ private:
+  friend std::unique_ptr<PendingConnect> connect(const ListenHandle&, const Identity&);
+  PendingConnect() = default;
+  Progress fail(std::string message);
+  Progress check_reply();
+
+  Stage stage_ = Stage::kConnecting;
+  Fd fd_;
+  Identity self_;
+  ListenHandle handle_{};
+  std::string peer_name_;  // "rank 3 at 10.0.0.2:41234", for every message about this peer
+  uint8_t hello_[wire::kHelloBytes] = {};
+  uint8_t reply_[wire::kReplyBytes] = {};
+  size_t offset_ = 0;
+  std::string error_;
+  std::unique_ptr<SendComm> comm_;
+};
+
+// Connects endpoint `self` to the listener that published `handle`. Does not block: the
+// connection is made by step(). Throws TransportError when the handle is unusable or
+// names another communicator (self.comm_id); a refused connection is reported by step().
+std::unique_ptr<PendingConnect> connect(const ListenHandle& handle, const Identity& self);
+
+// A connection being accepted: waiting for a sender, then the handshake. A connection
+// that is not an lgreco endpoint of this communicator fails this object (the listener
+// stays usable: start another accept()).
+class PendingAccept {
+ public:
+  enum class Stage { kWaitingForConnection, kReceivingHello, kSendingReply, kDone, kFailed };
+
+  ~PendingAccept();
+  Progress step();
+  Stage stage() const { return stage_; }
+  const std::string& error() const { return error_; }
+  int fd() const;
+  short poll_events() const;
+  std::unique_ptr<RecvComm> take();
+
+ private:
+  friend class Listener;
+  explicit PendingAccept(const Listener* listener) : listener_(listener) {}
+  Progress fail(std::string message);
+  Progress refuse(uint32_t reason, std::string message);
+  Progress check_hello();
+
+  const Listener* listener_;
+  Stage stage_ = Stage::kWaitingForConnection;
+  Fd fd_;
+  std::string peer_address_;
+  int peer_rank_ = kUnknownRank;
+  uint8_t hello_[wire::kHelloBytes] = {};
+  uint8_t reply_[wire::kReplyBytes] = {};
+  size_t offset_ = 0;
+  std::string error_;
+  std::unique_ptr<RecvComm> comm_;
+};
+
+class Connection;  // what SendComm and RecvComm share (tcp_transport.cc)
+
+// The sending end of a connection.
+class SendComm {
+ public:
+  ~SendComm();
+  SendComm(const SendComm&) = delete;
+  SendComm& operator=(const SendComm&) = delete;
+
+  // Posts one message of `size` bytes (0 allowed) from `data`, which must stay valid and
+  // unchanged until test() reports the request done. nullptr when kMaxRequests requests
+  // are in flight: test() some and post again. Throws TransportError on a failed comm and
+  // std::invalid_argument for a null `data` with size > 0 or size > kMaxMessageBytes.
+  Request* isend(const void* data, uint64_t size, int tag);
+  // Moves bytes of every posted message in order. *done once `request` has been sent
+  // entirely (its slot is then free again; *size, if given, is its size). kError: the
+  // connection failed (error() says why) and every request with it. Throws
+  // std::invalid_argument for a request that is not in flight on this comm.
+  Progress test(Request* request, bool* done, uint64_t* size);
+
+  int peer_rank() const;
+  // "rank 3 at 10.0.0.2:41234" (or "10.0.0.2:41234" when the rank is unknown).
+  const std::string& peer_name() const;
+  int fd() const;
+  short poll_events() const;  // POLLOUT while messages wait to be sent, else 0
+  CommCounters counters() const;
+  const std::string& error() const;  // empty unless a test() reported kError
+
+ private:
+  friend class PendingConnect;
+  explicit SendComm(std::unique_ptr<Connection> connection);
+  std::unique_ptr<Connection> connection_;
+};
+
+// The receiving end of a connection.
+class RecvComm {
+ public:
+  ~RecvComm();
+  RecvComm(const RecvComm&) = delete;
+  RecvComm& operator=(const RecvComm&) = delete;
+
+  // Posts a receive of `n` messages (1..kMaxRecvs) into data[i] (room for sizes[i] bytes),
+  // one per tag: each arriving message goes to the first unfilled buffer whose tag
+  // matches; a message whose tag matches none is an error (the ranks disagree on what
+  // comes next). A message may be smaller than its buffer (test() reports its size), not
+  // larger. nullptr when kMaxRequests requests are in flight. The arrays are copied.
+  Request* irecv(int n, void* const* data, const uint64_t* sizes, const int* tags);
+  // As SendComm::test; `sizes` (n entries, may be null) gets each message's size.
+  Progress test(Request* request, bool* done, uint64_t* sizes);
+
+  int peer_rank() const;
+  const std::string& peer_name() const;
+  int fd() const;
+  short poll_events() const;  // POLLIN while receives are posted, else 0
+  CommCounters counters() const;
+  const std::string& error() const;
+
+ private:
+  friend class PendingAccept;
+  explicit RecvComm(std::unique_ptr<Connection> connection);
+  std::unique_ptr<Connection> connection_;
+};
+
+}  // namespace lgreco::transport

@@ -1,0 +1,632 @@
+// The TCP transport: handles, the handshake (accepted and every kind of refusal),
+// messages from 0 bytes to 64 MiB, tags, several requests in flight, the fixed request
+// pool, and the errors of a receive too small, a closed peer and a corrupt stream.
+//
+// One thread drives both ends of a connection (nothing blocks), so no test needs
+// threads. Misbehaving peers are plain sockets that write wire bytes by hand. Every loop
+// is bounded in time; only 127.0.0.1 is used.
+#include <boost/test/unit_test.hpp>
+#include <chrono>
+#include <cstring>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "plugin/transport/tcp_transport.h"
+#include "tests/unit/test_util.h"
+
+namespace lgreco::transport {
+namespace {
+
+using namespace std::chrono_literals;
+using test::contains;
+
+constexpr uint64_t kCommId = 0x1234567890abcdefull;
+
+SocketAddress loopback() { return SocketAddress::resolve("127.0.0.1", 0); }
+
+// Calls `step` until it returns true, for at most `timeout`.
+template <typename Step>
+bool eventually(Step step, std::chrono::milliseconds timeout = 5000ms) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (step()) return true;
+    std::this_thread::sleep_for(200us);
+  }
+  return false;
+}
+
+// Steps a pending connect or accept until it is no longer pending.
+template <typename Pending>
+Progress finish(Pending& pending, std::chrono::milliseconds timeout = 5000ms) {
+  Progress p = Progress::kPending;
+  eventually([&] { return (p = pending.step()) != Progress::kPending; }, timeout);
+  return p;
+}
+
+// Steps a connect and an accept together (each needs the other's bytes) until neither
+// is pending.
+void finish_both(PendingConnect& connecting, PendingAccept& accepting) {
+  Progress c = Progress::kPending, a = Progress::kPending;
+  eventually([&] {
+    if (c == Progress::kPending) c = connecting.step();
+    if (a == Progress::kPending) a = accepting.step();
+    return c != Progress::kPending && a != Progress::kPending;
+  });
+}
+
+struct Pair {
+  std::unique_ptr<Listener> listener;
+  std::unique_ptr<SendComm> send;  // rank 0 -> rank 1
+  std::unique_ptr<RecvComm> recv;
+};
+
+// A connection from rank 0 to rank 1 of communicator kCommId.
+Pair connected_pair() {
+  Pair pair;
+  pair.listener = listen(loopback(), {kCommId, 1});
+  auto connecting = connect(pair.listener->handle(), {kCommId, 0});
+  auto accepting = pair.listener->accept();
+  bool ok = eventually([&] {
+    const Progress c = connecting->step();
+    const Progress a = accepting->step();
+    if (c == Progress::kError || a == Progress::kError) return true;
+    return c == Progress::kDone && a == Progress::kDone;
+  });
+  BOOST_REQUIRE_MESSAGE(
+      ok && connecting->stage() == PendingConnect::Stage::kDone && accepting->stage() == PendingAccept::Stage::kDone,
+      "connect: " << connecting->error() << "; accept: " << accepting->error());
+  pair.send = connecting->take();
+  pair.recv = accepting->take();
+  BOOST_REQUIRE(pair.send && pair.recv);
+  return pair;
+}
+
+// A plain socket connected to `address`, playing a peer that writes bytes by hand.
+Fd raw_connect(const SocketAddress& address) {
+  int error = 0;
+  Fd fd = start_connect(address, &error);
+  BOOST_REQUIRE_EQUAL(error, 0);
+  BOOST_REQUIRE(wait_for(fd.get(), POLLOUT, 2000ms) & POLLOUT);
+  BOOST_REQUIRE_EQUAL(connect_result(fd.get()), 0);
+  return fd;
+}
+
+void raw_send(int fd, const void* data, size_t size) {
+  size_t offset = 0;
+  BOOST_REQUIRE(eventually([&] { return send_some(fd, data, size, &offset).status != IoStatus::kWouldBlock; }));
+  BOOST_REQUIRE_EQUAL(offset, size);
+}
+
+// Reads exactly `size` bytes, or fewer if the connection closes first.
+std::vector<uint8_t> raw_recv(int fd, size_t size) {
+  std::vector<uint8_t> bytes(size);
+  size_t offset = 0;
+  eventually([&] { return recv_some(fd, bytes.data(), size, &offset).status != IoStatus::kWouldBlock; });
+  bytes.resize(offset);
+  return bytes;
+}
+
+wire::Hello valid_hello(const ListenHandle& handle, int from_rank) {
+  wire::Hello hello;
+  hello.magic = wire::kHelloMagic;
+  hello.version = kProtocolVersion;
+  hello.socket_index = 0;
+  hello.socket_count = 1;
+  hello.comm_id = handle.comm_id;
+  hello.nonce = handle.nonce;
+  hello.from_rank = from_rank;
+  hello.to_rank = handle.rank;
+  return hello;
+}
+
+// Sends `hello` as a raw peer; returns the accept's outcome and the reply (if any).
+struct RawHandshake {
+  Progress accept = Progress::kPending;
+  std::string error;
+  std::vector<uint8_t> reply;
+};
+RawHandshake raw_handshake(Listener& listener, const wire::Hello& hello) {
+  Fd raw = raw_connect(listener.address());
+  uint8_t bytes[wire::kHelloBytes];
+  wire::encode(hello, bytes);
+  raw_send(raw.get(), bytes, sizeof bytes);
+  auto accepting = listener.accept();
+  RawHandshake result;
+  result.accept = finish(*accepting);
+  result.error = accepting->error();
+  result.reply = raw_recv(raw.get(), wire::kReplyBytes);
+  return result;
+}
+
+// Sends and receives one message over `pair`; returns the receive's outcome.
+Progress transfer(Pair& pair, const std::vector<uint8_t>& out, std::vector<uint8_t>& in, int send_tag, int recv_tag,
+                  uint64_t* received_size) {
+  Request* s = pair.send->isend(out.data(), out.size(), send_tag);
+  void* buffer = in.data();
+  const uint64_t capacity = in.size();
+  Request* r = pair.recv->irecv(1, &buffer, &capacity, &recv_tag);
+  BOOST_REQUIRE(s && r);
+  bool send_done = false, recv_done = false;
+  Progress rp = Progress::kPending;
+  eventually(
+      [&] {
+        if (!send_done && pair.send->test(s, &send_done, nullptr) == Progress::kError) send_done = true;
+        if (!recv_done) rp = pair.recv->test(r, &recv_done, received_size);
+        return rp == Progress::kError || (send_done && recv_done);
+      },
+      20000ms);
+  return rp;
+}
+
+std::vector<uint8_t> random_bytes(size_t n, std::mt19937_64& rng) {
+  std::vector<uint8_t> bytes(n);
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const uint64_t v = rng();
+    std::memcpy(bytes.data() + i, &v, 8);
+  }
+  for (; i < n; ++i) bytes[i] = static_cast<uint8_t>(rng());
+  return bytes;
+}
+
+}  // namespace
+
+BOOST_AUTO_TEST_SUITE(tcp_transport)
+
+BOOST_AUTO_TEST_CASE(a_listen_handle_is_plain_bytes_checked_before_use) {
+  static_assert(sizeof(ListenHandle) <= kHandleMaxBytes);
+  auto listener = listen(loopback(), {kCommId, 3});
+  const ListenHandle& h = listener->handle();
+  BOOST_TEST(check_handle(h) == "");
+  BOOST_TEST(h.comm_id == kCommId);
+  BOOST_TEST(h.rank == 3);
+  BOOST_TEST(handle_address(h) == listener->address().str());
+  BOOST_TEST(listener->address().port() != 0);
+
+  // Copied as bytes (as through NCCL's bootstrap), it is the same handle.
+  uint8_t bytes[kHandleMaxBytes] = {};
+  std::memcpy(bytes, &h, sizeof h);
+  ListenHandle copy;
+  std::memcpy(&copy, bytes, sizeof copy);
+  BOOST_TEST(check_handle(copy) == "");
+
+  ListenHandle bad = h;
+  bad.magic ^= 1;
+  BOOST_TEST(contains(check_handle(bad), "not an lgreco listen handle"));
+  bad = h;
+  bad.version = 77;
+  BOOST_TEST(contains(check_handle(bad), "protocol version 77"));
+  bad = h;
+  bad.address_length = 200;
+  BOOST_TEST(contains(check_handle(bad), "neither IPv4 nor IPv6"));
+  bad = h;
+  bad.address_length = 7;
+  BOOST_TEST(contains(check_handle(bad), "neither IPv4 nor IPv6"));
+  bad = h;
+  bad.socket_count = 4;
+  BOOST_TEST(contains(check_handle(bad), "4 sockets per connection"));
+  bad = h;
+  bad.rank = -5;
+  BOOST_TEST(contains(check_handle(bad), "invalid rank"));
+
+  // connect() refuses an unusable handle, and a handle of another communicator, at once.
+  bad = h;
+  bad.magic = 0;
+  BOOST_CHECK_THROW(connect(bad, {kCommId, 0}), TransportError);
+  try {
+    connect(h, {kCommId + 1, 0});
+    BOOST_FAIL("connect accepted a handle of another communicator");
+  } catch (const TransportError& e) {
+    BOOST_TEST(contains(e.what(), "belongs to communicator"), e.what());
+  }
+  // A wildcard address cannot go into a handle.
+  BOOST_CHECK_THROW(listen(SocketAddress::resolve("0.0.0.0", 0), {kCommId, 0}), TransportError);
+}
+
+BOOST_AUTO_TEST_CASE(connect_and_accept_go_through_their_stages_and_learn_the_ranks) {
+  auto listener = listen(loopback(), {kCommId, 1});
+  auto accepting = listener->accept();
+  BOOST_TEST((accepting->stage() == PendingAccept::Stage::kWaitingForConnection));
+  BOOST_TEST((accepting->step() == Progress::kPending));  // nobody has connected: never blocks
+  BOOST_TEST(accepting->poll_events() == POLLIN);
+  BOOST_TEST(accepting->fd() == listener->fd());
+
+  auto connecting = connect(listener->handle(), {kCommId, 0});
+  BOOST_TEST((connecting->stage() == PendingConnect::Stage::kConnecting));
+  BOOST_TEST(connecting->poll_events() == POLLOUT);
+  // The connector cannot finish before the listener replies.
+  BOOST_TEST((finish(*connecting, 50ms) == Progress::kPending));
+  BOOST_TEST((connecting->stage() == PendingConnect::Stage::kReceivingReply));
+  BOOST_TEST(connecting->poll_events() == POLLIN);
+
+  BOOST_TEST((finish(*accepting) == Progress::kDone));
+  BOOST_TEST((finish(*connecting) == Progress::kDone));
+  auto send = connecting->take();
+  auto recv = accepting->take();
+  BOOST_REQUIRE(send && recv);
+  BOOST_TEST(!connecting->take());  // only once
+  BOOST_TEST(send->peer_rank() == 1);
+  BOOST_TEST(recv->peer_rank() == 0);
+  BOOST_TEST(contains(send->peer_name(), "rank 1 at 127.0.0.1:"));
+  BOOST_TEST(contains(recv->peer_name(), "rank 0 at 127.0.0.1:"));
+  BOOST_TEST(send->poll_events() == 0);  // nothing to send
+  BOOST_TEST(recv->poll_events() == 0);  // nothing posted
+}
+
+BOOST_AUTO_TEST_CASE(accept_refuses_garbage_and_the_listener_stays_usable) {
+  auto listener = listen(loopback(), {kCommId, 1});
+  std::mt19937_64 rng(test::run_seed());
+  BOOST_TEST_CONTEXT("seed " << test::run_seed()) {
+    const std::vector<uint8_t> garbage = random_bytes(wire::kHelloBytes, rng);
+    Fd raw = raw_connect(listener->address());
+    raw_send(raw.get(), garbage.data(), garbage.size());
+    auto accepting = listener->accept();
+    BOOST_TEST((finish(*accepting) == Progress::kError));
+    BOOST_TEST((accepting->stage() == PendingAccept::Stage::kFailed));
+    BOOST_TEST(contains(accepting->error(), "is not an lgreco endpoint"), accepting->error());
+    BOOST_TEST(raw_recv(raw.get(), 1).empty());  // closed without a reply
+  }
+  // A real peer still gets in.
+  auto connecting = connect(listener->handle(), {kCommId, 0});
+  auto accepting = listener->accept();
+  finish_both(*connecting, *accepting);
+  BOOST_TEST((connecting->stage() == PendingConnect::Stage::kDone));
+  BOOST_TEST((accepting->stage() == PendingAccept::Stage::kDone));
+}
+
+BOOST_AUTO_TEST_CASE(accept_refuses_a_wrong_magic) {
+  auto listener = listen(loopback(), {kCommId, 1});
+  wire::Hello hello = valid_hello(listener->handle(), 0);
+  hello.magic ^= 0x100;
+  const RawHandshake r = raw_handshake(*listener, hello);
+  BOOST_TEST((r.accept == Progress::kError));
+  BOOST_TEST(contains(r.error, "not an lgreco handshake (magic"), r.error);
+  BOOST_TEST(r.reply.empty());
+}
+
+BOOST_AUTO_TEST_CASE(accept_refuses_another_protocol_version_and_says_why) {
+  auto listener = listen(loopback(), {kCommId, 1});
+  wire::Hello hello = valid_hello(listener->handle(), 0);
+  hello.version = 99;
+  const RawHandshake r = raw_handshake(*listener, hello);
+  BOOST_TEST((r.accept == Progress::kError));
+  BOOST_TEST(contains(r.error, "protocol version 99"), r.error);
+  BOOST_REQUIRE_EQUAL(r.reply.size(), wire::kReplyBytes);
+  const wire::Reply reply = wire::decode_reply(r.reply.data());
+  BOOST_TEST(reply.magic == wire::kReplyMagic);
+  BOOST_TEST(reply.status == static_cast<uint32_t>(wire::ReplyStatus::kVersionMismatch));
+  BOOST_TEST(reply.version == kProtocolVersion);
+}
+
+BOOST_AUTO_TEST_CASE(both_ends_name_a_wrong_communicator) {
+  auto listener = listen(loopback(), {kCommId, 1});
+  ListenHandle other = listener->handle();
+  other.comm_id = kCommId + 1;  // a process of another job that got hold of this address
+  auto connecting = connect(other, {kCommId + 1, 0});
+  auto accepting = listener->accept();
+  finish_both(*connecting, *accepting);
+  BOOST_TEST((accepting->stage() == PendingAccept::Stage::kFailed));
+  BOOST_TEST(contains(accepting->error(), "belongs to communicator 0x1234567890abcdf0"), accepting->error());
+  BOOST_TEST(contains(accepting->error(), "this listener to 0x1234567890abcdef"), accepting->error());
+  BOOST_TEST(contains(connecting->error(), "refused the connection (wrong communicator id)"), connecting->error());
+  BOOST_TEST((connecting->stage() == PendingConnect::Stage::kFailed));
+}
+
+BOOST_AUTO_TEST_CASE(accept_refuses_a_stale_handle_and_a_wrong_rank) {
+  auto listener = listen(loopback(), {kCommId, 1});
+  {
+    ListenHandle stale = listener->handle();
+    stale.nonce ^= 1;
+    auto connecting = connect(stale, {kCommId, 0});
+    auto accepting = listener->accept();
+    finish_both(*connecting, *accepting);
+    BOOST_TEST((accepting->stage() == PendingAccept::Stage::kFailed));
+    BOOST_TEST((connecting->stage() == PendingConnect::Stage::kFailed));
+    BOOST_TEST(contains(accepting->error(), "stale handle"), accepting->error());
+    BOOST_TEST(contains(connecting->error(), "stale listen handle"), connecting->error());
+  }
+  {
+    ListenHandle wrong = listener->handle();
+    wrong.rank = 2;
+    auto connecting = connect(wrong, {kCommId, 0});
+    auto accepting = listener->accept();
+    finish_both(*connecting, *accepting);
+    BOOST_TEST((accepting->stage() == PendingAccept::Stage::kFailed));
+    BOOST_TEST((connecting->stage() == PendingConnect::Stage::kFailed));
+    BOOST_TEST(contains(accepting->error(), "wants rank 2, this listener is rank 1"), accepting->error());
+    BOOST_TEST(contains(connecting->error(), "wrong rank"), connecting->error());
+  }
+}
+
+BOOST_AUTO_TEST_CASE(accept_reports_a_truncated_handshake) {
+  auto listener = listen(loopback(), {kCommId, 1});
+  uint8_t bytes[wire::kHelloBytes];
+  wire::encode(valid_hello(listener->handle(), 0), bytes);
+  Fd raw = raw_connect(listener->address());
+  raw_send(raw.get(), bytes, 20);
+  auto accepting = listener->accept();
+  BOOST_TEST((finish(*accepting, 50ms) == Progress::kPending));  // 20 bytes: still waiting
+  BOOST_TEST((accepting->stage() == PendingAccept::Stage::kReceivingHello));
+  raw.reset();
+  BOOST_TEST((finish(*accepting) == Progress::kError));
+  BOOST_TEST(contains(accepting->error(), "closed after 20 of 48 handshake bytes"), accepting->error());
+}
+
+BOOST_AUTO_TEST_CASE(connect_reports_a_listener_that_is_gone_or_not_lgreco) {
+  ListenHandle gone;
+  {
+    auto listener = listen(loopback(), {kCommId, 1});
+    gone = listener->handle();
+  }
+  auto connecting = connect(gone, {kCommId, 0});
+  BOOST_TEST((finish(*connecting) == Progress::kError));
+  BOOST_TEST(contains(connecting->error(), "cannot connect to rank 1 at 127.0.0.1:"), connecting->error());
+
+  // Something else listens at the address and answers with bytes of its own.
+  Fd server = listen_tcp(loopback(), false);
+  const SocketAddress address = SocketAddress::local_of(server.get());
+  ListenHandle foreign = gone;
+  std::memcpy(foreign.address, address.get(), address.length());
+  auto to_foreign = connect(foreign, {kCommId, 0});
+  Fd accepted;
+  BOOST_REQUIRE(eventually([&] {
+    to_foreign->step();
+    int error = 0;
+    if (!accepted.valid()) accepted = accept_tcp(server.get(), &error);
+    return accepted.valid();
+  }));
+  std::string banner = "SSH-2.0-OpenSSH_9.2 not lgreco\r\n";
+  banner.resize(wire::kReplyBytes, ' ');  // as long as a reply, so the connector reads it all
+  raw_send(accepted.get(), banner.data(), banner.size());
+  BOOST_TEST((finish(*to_foreign) == Progress::kError));
+  BOOST_TEST(contains(to_foreign->error(), "is not an lgreco endpoint"), to_foreign->error());
+}
+
+BOOST_AUTO_TEST_CASE(messages_of_0_bytes_to_64_MiB_arrive_intact) {
+  Pair pair = connected_pair();
+  std::mt19937_64 rng(test::run_seed());
+  uint64_t payload = 0;
+  BOOST_TEST_CONTEXT("seed " << test::run_seed()) {
+    for (size_t size :
+         {size_t{0}, size_t{1}, size_t{15}, size_t{16}, size_t{17}, size_t{4096}, size_t{1} << 20, size_t{64} << 20}) {
+      BOOST_TEST_CONTEXT("size " << size) {
+        const std::vector<uint8_t> out = random_bytes(size, rng);
+        std::vector<uint8_t> in(size + 7, 0xA5);  // room to spare: a message may be smaller
+        uint64_t received = ~uint64_t{0};
+        BOOST_TEST((transfer(pair, out, in, 11, 11, &received) == Progress::kDone), pair.recv->error());
+        BOOST_TEST(received == size);
+        BOOST_TEST(std::equal(out.begin(), out.end(), in.begin()));
+        BOOST_TEST(in[size] == 0xA5);  // nothing written past the message
+        payload += size;
+      }
+    }
+  }
+  const CommCounters sent = pair.send->counters(), received = pair.recv->counters();
+  BOOST_TEST(sent.payload_bytes == payload);
+  BOOST_TEST(received.payload_bytes == payload);
+  BOOST_TEST(sent.messages == 8u);
+  BOOST_TEST(received.messages == 8u);
+  BOOST_TEST(sent.wire_bytes == payload + 8 * wire::kMessageHeaderBytes);
+  BOOST_TEST(received.busy_ns > 0u);
+}
+
+BOOST_AUTO_TEST_CASE(a_grouped_receive_matches_messages_to_buffers_by_tag) {
+  Pair pair = connected_pair();
+  std::vector<uint8_t> a(100, 1), b(2000, 2), c(0);
+  // Posted as tags 7, 3, 5; sent as 5 (c), 7 (a), 3 (b).
+  std::vector<uint8_t> ra(100), rb(3000), rc(10);
+  void* buffers[] = {ra.data(), rb.data(), rc.data()};
+  const uint64_t sizes[] = {ra.size(), rb.size(), rc.size()};
+  const int tags[] = {7, 3, 5};
+  Request* r = pair.recv->irecv(3, buffers, sizes, tags);
+  Request* s[] = {pair.send->isend(c.data(), c.size(), 5), pair.send->isend(a.data(), a.size(), 7),
+                  pair.send->isend(b.data(), b.size(), 3)};
+  uint64_t got[3] = {};
+  bool done = false;
+  BOOST_TEST(eventually([&] {
+    for (Request*& q : s)
+      if (q) {
+        bool d = false;
+        pair.send->test(q, &d, nullptr);
+        if (d) q = nullptr;
+      }
+    return pair.recv->test(r, &done, got) != Progress::kPending;
+  }));
+  BOOST_TEST(done, pair.recv->error());
+  BOOST_TEST(got[0] == 100u);
+  BOOST_TEST(got[1] == 2000u);
+  BOOST_TEST(got[2] == 0u);
+  BOOST_TEST(std::memcmp(ra.data(), a.data(), a.size()) == 0);
+  BOOST_TEST(std::memcmp(rb.data(), b.data(), b.size()) == 0);
+}
+
+BOOST_AUTO_TEST_CASE(a_message_with_an_unexpected_tag_is_an_error) {
+  Pair pair = connected_pair();
+  const std::vector<uint8_t> out(10, 1);
+  std::vector<uint8_t> in(10);
+  BOOST_TEST((transfer(pair, out, in, 4, 9, nullptr) == Progress::kError));
+  BOOST_TEST(contains(pair.recv->error(), "rank 0 at 127.0.0.1:"), pair.recv->error());
+  BOOST_TEST(contains(pair.recv->error(), "tag 4 where the posted receive expects tag 9"), pair.recv->error());
+  BOOST_CHECK_THROW(pair.recv->irecv(1, nullptr, nullptr, nullptr), std::invalid_argument);
+}
+
+BOOST_AUTO_TEST_CASE(many_requests_in_flight_complete_in_any_test_order) {
+  Pair pair = connected_pair();
+  std::mt19937_64 rng(test::run_seed() + 1);
+  constexpr int kCount = 24;
+  std::vector<std::vector<uint8_t>> out(kCount), in(kCount);
+  std::vector<Request*> sends(kCount), recvs(kCount);
+  for (int i = 0; i < kCount; ++i) {
+    out[i] = random_bytes(rng() % 3 == 0 ? 0 : rng() % 300000, rng);
+    in[i].assign(out[i].size(), 0);
+  }
+  // All receives first, then all sends: nothing moves until tested.
+  for (int i = 0; i < kCount; ++i) {
+    void* buffer = in[i].data();
+    const uint64_t size = in[i].size();
+    recvs[i] = pair.recv->irecv(1, &buffer, &size, &i);
+    BOOST_REQUIRE(recvs[i]);
+  }
+  for (int i = 0; i < kCount; ++i) BOOST_REQUIRE((sends[i] = pair.send->isend(out[i].data(), out[i].size(), i)));
+  BOOST_TEST(pair.send->poll_events() == POLLOUT);
+  BOOST_TEST(pair.recv->poll_events() == POLLIN);
+
+  // Test in a random order, as a caller that waits for the last one first would.
+  std::vector<int> order(kCount);
+  for (int i = 0; i < kCount; ++i) order[i] = i;
+  std::shuffle(order.begin(), order.end(), rng);
+  int remaining = 2 * kCount;
+  BOOST_TEST(eventually(
+      [&] {
+        for (int i : order) {
+          bool done = false;
+          if (sends[i] && pair.send->test(sends[i], &done, nullptr) == Progress::kDone) {
+            sends[i] = nullptr;
+            --remaining;
+          }
+          uint64_t size = 0;
+          if (recvs[i] && pair.recv->test(recvs[i], &done, &size) == Progress::kDone) {
+            recvs[i] = nullptr;
+            --remaining;
+            BOOST_TEST(size == out[i].size());
+          }
+        }
+        return remaining == 0;
+      },
+      10000ms));
+  BOOST_TEST(pair.recv->error() == "");
+  for (int i = 0; i < kCount; ++i) BOOST_TEST((in[i] == out[i]), "message " << i);
+  BOOST_TEST(pair.send->poll_events() == 0);
+}
+
+BOOST_AUTO_TEST_CASE(the_request_pool_is_fixed_and_refills) {
+  Pair pair = connected_pair();
+  const uint8_t byte = 42;
+  std::vector<Request*> posted;
+  for (int i = 0; i < kMaxRequests; ++i) {
+    Request* r = pair.send->isend(&byte, 1, i);
+    BOOST_REQUIRE(r);
+    posted.push_back(r);
+  }
+  BOOST_TEST(!pair.send->isend(&byte, 1, 99));  // full: try later
+  // Completing requests frees their slots.
+  for (Request* r : posted) {
+    bool done = false;
+    BOOST_TEST(eventually([&] { return pair.send->test(r, &done, nullptr) != Progress::kPending; }));
+    BOOST_TEST(done);
+  }
+  BOOST_TEST(pair.send->isend(&byte, 1, 99));
+  BOOST_CHECK_THROW(pair.send->isend(nullptr, 5, 0), std::invalid_argument);
+  BOOST_CHECK_THROW(pair.send->isend(&byte, kMaxMessageBytes + 1, 0), std::invalid_argument);
+}
+
+BOOST_AUTO_TEST_CASE(a_receive_smaller_than_the_message_names_peer_and_sizes) {
+  Pair pair = connected_pair();
+  const std::vector<uint8_t> out(1000, 7);
+  std::vector<uint8_t> in(999, 0);
+  BOOST_TEST((transfer(pair, out, in, 1, 1, nullptr) == Progress::kError));
+  const std::string& e = pair.recv->error();
+  BOOST_TEST(contains(e, "rank 0 at 127.0.0.1:"), e);
+  BOOST_TEST(contains(e, "message of 1000 bytes"), e);
+  BOOST_TEST(contains(e, "room for only 999 bytes"), e);
+  BOOST_TEST(contains(e, "(mismatched LGRECO_* settings between ranks?)"), e);
+  BOOST_TEST(std::all_of(in.begin(), in.end(), [](uint8_t b) { return b == 0; }));  // nothing written
+  // The comm is dead from here on.
+  void* buffer = in.data();
+  const uint64_t size = in.size();
+  const int tag = 1;
+  BOOST_CHECK_THROW(pair.recv->irecv(1, &buffer, &size, &tag), TransportError);
+}
+
+// A hand-driven sender: the handshake done right, then whatever bytes the test writes.
+struct RawSender {
+  std::unique_ptr<Listener> listener = listen(loopback(), {kCommId, 1});
+  Fd raw;
+  std::unique_ptr<RecvComm> recv;
+  RawSender() {
+    raw = raw_connect(listener->address());
+    uint8_t hello[wire::kHelloBytes];
+    wire::encode(valid_hello(listener->handle(), 0), hello);
+    raw_send(raw.get(), hello, sizeof hello);
+    auto accepting = listener->accept();
+    BOOST_REQUIRE((finish(*accepting) == Progress::kDone));
+    recv = accepting->take();
+    BOOST_REQUIRE_EQUAL(raw_recv(raw.get(), wire::kReplyBytes).size(), wire::kReplyBytes);
+  }
+  void header(uint64_t size, int tag, uint32_t sequence) {
+    uint8_t bytes[wire::kMessageHeaderBytes];
+    wire::encode(wire::MessageHeader{size, tag, sequence}, bytes);
+    raw_send(raw.get(), bytes, sizeof bytes);
+  }
+  // Posts one receive of `capacity` bytes and tests it until it is not pending.
+  Progress receive(size_t capacity) {
+    std::vector<uint8_t> buffer(capacity);
+    void* data = buffer.data();
+    const uint64_t size = capacity;
+    const int tag = 0;
+    Request* r = recv->irecv(1, &data, &size, &tag);
+    Progress p = Progress::kPending;
+    eventually([&] { return (p = recv->test(r, nullptr, nullptr)) != Progress::kPending; });
+    return p;
+  }
+};
+
+BOOST_AUTO_TEST_CASE(sizes_are_64_bit_and_bounded_before_use) {
+  RawSender peer;
+  peer.header(uint64_t{5} << 30, 0, 0);  // 5 GiB announced to a 1 KiB buffer
+  BOOST_TEST((peer.receive(1024) == Progress::kError));
+  BOOST_TEST(contains(peer.recv->error(), "message of 5368709120 bytes"), peer.recv->error());
+  BOOST_TEST(contains(peer.recv->error(), "room for only 1024 bytes"), peer.recv->error());
+}
+
+BOOST_AUTO_TEST_CASE(a_stream_out_of_step_is_an_error) {
+  RawSender peer;
+  peer.header(4, 0, 5);  // sequence 5 where 0 is due
+  BOOST_TEST((peer.receive(16) == Progress::kError));
+  BOOST_TEST(contains(peer.recv->error(), "message 5 from rank 0"), peer.recv->error());
+  BOOST_TEST(contains(peer.recv->error(), "out of step"), peer.recv->error());
+}
+
+BOOST_AUTO_TEST_CASE(a_peer_that_closes_mid_message_or_before_it_is_reported) {
+  {
+    RawSender peer;
+    peer.header(1000, 0, 0);
+    const std::vector<uint8_t> part(10, 1);
+    raw_send(peer.raw.get(), part.data(), part.size());
+    peer.raw.reset();
+    BOOST_TEST((peer.receive(1000) == Progress::kError));
+    BOOST_TEST(contains(peer.recv->error(), "closed the connection in the middle of a 1000-byte message"),
+               peer.recv->error());
+  }
+  {
+    Pair pair = connected_pair();
+    pair.send.reset();  // the sender's process is gone
+    std::vector<uint8_t> in(8);
+    void* buffer = in.data();
+    const uint64_t size = in.size();
+    const int tag = 0;
+    Request* r = pair.recv->irecv(1, &buffer, &size, &tag);
+    Progress p = Progress::kPending;
+    BOOST_TEST(eventually([&] { return (p = pair.recv->test(r, nullptr, nullptr)) != Progress::kPending; }));
+    BOOST_TEST((p == Progress::kError));
+    BOOST_TEST(contains(pair.recv->error(), "rank 0 at 127.0.0.1:"), pair.recv->error());
+    BOOST_TEST(contains(pair.recv->error(), "closed the connection (the peer process exited"), pair.recv->error());
+  }
+  {
+    // A sender whose receiver is gone fails too (EPIPE or a reset), never SIGPIPE.
+    Pair pair = connected_pair();
+    pair.recv.reset();
+    std::vector<uint8_t> out(8 << 20, 3);
+    Request* s = pair.send->isend(out.data(), out.size(), 0);
+    Progress p = Progress::kPending;
+    BOOST_TEST(eventually([&] { return (p = pair.send->test(s, nullptr, nullptr)) != Progress::kPending; }));
+    BOOST_TEST((p == Progress::kError));
+    BOOST_TEST(contains(pair.send->error(), "rank 1 at 127.0.0.1:"), pair.send->error());
+  }
+}
+
+BOOST_AUTO_TEST_SUITE_END()
+
+}  // namespace lgreco::transport
