@@ -77,8 +77,12 @@ Compression
 
 Ranks
   --fabric inproc|socket   threads of this process, or processes over TCP (default inproc)
-  --ranks N                inproc: threads; socket: local processes to start, when RANK
-                           and WORLD_SIZE are not set (default 4)
+  --ranks N                inproc: threads; socket: local processes to start, when no
+                           rank is given (default 4)
+  --rank R --world-size N --master-addr HOST --master-port P
+                           socket: this process is rank R of N, rendezvous at rank 0's
+                           HOST:P (default: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+                           from the environment, as torchrun sets them)
   --timeout S              longest wait for a peer, in seconds (default 60)
   --seed N                 input seed (default 1)
   -h, --help               this text
@@ -99,6 +103,9 @@ struct Options {
   uint64_t segment_bytes = 1 << 20;
   std::string fabric = "inproc";
   int ranks = 4;
+  int rank = -1, world_size = -1;  // socket, given by flags
+  std::string master_addr;
+  int master_port = -1;
   uint64_t timeout_s = 60;
   uint64_t seed = 1;
   bool adaptive() const { return codec == "lgreco"; }
@@ -195,6 +202,14 @@ Options parse(int argc, char** argv) {
         throw cli::UsageError("--fabric expects inproc or socket, got '" + o.fabric + "'");
     } else if (a == "--ranks") {
       o.ranks = parse_int(a, args.value(), 1, 1024);
+    } else if (a == "--rank") {
+      o.rank = parse_int(a, args.value(), 0, 1023);
+    } else if (a == "--world-size") {
+      o.world_size = parse_int(a, args.value(), 1, 1024);
+    } else if (a == "--master-addr") {
+      o.master_addr = args.value();
+    } else if (a == "--master-port") {
+      o.master_port = parse_int(a, args.value(), 1, 65535);
     } else if (a == "--timeout") {
       o.timeout_s = static_cast<uint64_t>(parse_int(a, args.value(), 1, 86400));
     } else if (a == "--seed") {
@@ -205,6 +220,12 @@ Options parse(int argc, char** argv) {
   }
   if (o.max_bytes == 0) o.max_bytes = o.min_bytes;
   if (o.max_bytes < o.min_bytes) throw cli::UsageError("-e (maxbytes) is smaller than -b (minbytes)");
+  if ((o.rank >= 0) != (o.world_size >= 0))
+    throw cli::UsageError("--rank and --world-size go together");
+  if (o.rank >= 0 && o.rank >= o.world_size)
+    throw cli::UsageError("--rank " + std::to_string(o.rank) + " is not below --world-size " + std::to_string(o.world_size));
+  if ((o.rank >= 0 || !o.master_addr.empty() || o.master_port >= 0) && o.fabric != "socket")
+    throw cli::UsageError("--rank, --world-size, --master-addr and --master-port need --fabric socket");
   if (!o.registration.empty() && !o.adaptive())
     throw cli::UsageError("--registration needs --codec lgreco (with a fixed codec use --segment-bytes)");
   return o;
@@ -520,10 +541,18 @@ int run_socket_rank(const Options& o, const collective::SocketFabricOptions& so)
   return so.rank == 0 ? report(rows, o, so.world_size) : 0;
 }
 
-// --fabric socket without RANK/WORLD_SIZE: start --ranks local processes.
+// --fabric socket: this process is one rank (flags, else torchrun's environment), or,
+// with neither, it starts --ranks local processes.
 int run_socket(const Options& o) {
-  if (getenv("RANK") && getenv("WORLD_SIZE")) {
-    collective::SocketFabricOptions so = collective::SocketFabricOptions::from_env();
+  if (o.rank >= 0 || (getenv("RANK") && getenv("WORLD_SIZE"))) {
+    collective::SocketFabricOptions so;  // rendezvous at 127.0.0.1:29500 unless told otherwise
+    if (getenv("RANK") && getenv("WORLD_SIZE")) so = collective::SocketFabricOptions::from_env();
+    if (o.rank >= 0) {
+      so.rank = o.rank;
+      so.world_size = o.world_size;
+    }
+    if (!o.master_addr.empty()) so.master_host = o.master_addr;
+    if (o.master_port >= 0) so.master_port = static_cast<uint16_t>(o.master_port);
     so.timeout = std::chrono::seconds(o.timeout_s);
     return run_socket_rank(o, so);
   }

@@ -404,11 +404,13 @@ CallOutcome Engine::run(const EngineCall& call) {
     const std::string why = agree(assignment_digest(assignment_.get()), ok, problem);
     if (!why.empty()) {
       state_ = State::kPassThrough;
+      if (controller_) controller_->stop();
       LGRECO_WARN("ENGINE", "compression is off on this communicator (every rank passes through): %s", why.c_str());
       return pass(why);
     }
     if (options_.mode == config::Mode::kOff) {  // on every rank: the parameters agreed
       state_ = State::kPassThrough;
+      if (controller_) controller_->stop();
       LGRECO_INFO("ENGINE", "LGRECO_MODE=off: every call passes through");
       return pass("LGRECO_MODE=off");
     }
