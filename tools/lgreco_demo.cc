@@ -1,0 +1,888 @@
+// lgreco-demo (`make demo`): the compressed-allreduce engine and the L-GreCo controller
+// at work on ResNet-50's gradient buckets.
+//
+// Ranks are threads of this process, each with its own in-process fabric, CPU backend and
+// Engine in adaptive mode, exactly as the library runs them; every step each rank calls
+// allreduce once per bucket of the registration (embedded: config/examples/resnet50.json)
+// in registration order. The gradients are synthetic but shaped like real ones: per-layer
+// scales spread over four orders of magnitude, heavy tails of layer-specific weight,
+// per-row scales, a shared mean with per-rank noise (data-parallel gradients are
+// correlated), and scales that drift over training at a different pace per layer group.
+//
+// Per epoch (one assignment of the controller) it prints the mean bits chosen per layer
+// group, the bytes against float32 and against uniform 4 bits, the controller's predicted
+// error against its budget, the measured error of the allreduce output against the
+// float64 sum of the ranks' inputs, and the solve time. It writes a PNG of the bits of
+// every adaptive layer at every step, and ends with one line for scripts:
+//
+//   demo: ranks=4 steps=40 bytes_vs_fp32=... bytes_vs_uniform=... error_vs_budget=...
+//
+// How the uniform 4-bit error is known at later steps without running a second engine:
+// the steps before the first switch run uniform 4 bits; max-min quantization is scale
+// equivariant and each layer's tail shape is fixed, so each layer's relative squared
+// error measured there, times its exact norm at a later step, is uniform 4 bits' error at
+// that step. error_vs_budget is the measured squared error over that, summed over the
+// adaptive epochs (the budget is alpha = 1 times uniform 4 bits' squared error).
+#include <algorithm>
+#include <atomic>
+#include <barrier>
+#include <cerrno>
+#include <cinttypes>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <numbers>
+#include <numeric>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "config/registration.h"
+#include "config/version.h"
+#include "lgreco_demo_registration.h"  // generated from config/examples/resnet50.json (Makefile)
+#include "plugin/collective/cpu_backend.h"
+#include "plugin/collective/engine.h"
+#include "plugin/collective/inproc_fabric.h"
+#include "tools/cli.h"
+#include "tools/png_writer.h"
+
+namespace lgreco {
+namespace {
+
+using collective::BucketLayout;
+using collective::Engine;
+using collective::EngineOptions;
+
+// Uniform 4 bits until step 6 (the first window measures steps 3-4, after error feedback
+// has settled), then a switch every 5 steps, each solved from steps 2-3 before it during
+// a lag of 2 steps: several epochs in a run of a few dozen steps.
+constexpr controller::ScheduleSettings kSchedule{.warmup = 5, .period = 5, .window = 2, .switch_lag = 2};
+constexpr uint64_t kFirstSwitch = kSchedule.warmup - 1 + kSchedule.switch_lag;
+// Uniform 4 bits' per-layer error is taken from the uniform steps from the first window
+// on: error feedback's residuals take a few steps to reach their steady size, and
+// earlier steps would understate the error (by about 3% from step 1, measured).
+constexpr uint64_t kFirstUniformStep = kSchedule.warmup - kSchedule.window;
+constexpr uint64_t kDefaultSteps = 40;
+constexpr int kMaxRanks = 16;
+constexpr int kDefaultBits = 4, kMinBits = 2, kMaxBits = 8;
+
+const char kUsage[] = R"(usage: lgreco-demo [--steps N] [--ranks P] [--seed S] [--png PATH] [--registration FILE]
+                   [--algorithm auto|sra|allgather]
+
+Runs lgreco's compressed allreduce (the engine with error feedback and the L-GreCo
+controller choosing 2..8 bits per layer, default 4) on P ranks as threads of this process,
+over the gradient buckets of ResNet-50 (embedded registration) or of FILE, with synthetic
+gradients whose per-layer scale, tails and drift over training differ as real ones do.
+Per epoch of the controller it prints the mean bits per layer group, the bytes against
+float32 and uniform 4 bits, the error against the budget and the solve time; it writes a
+PNG of the bits chosen for every layer at every step. The last line reads
+  demo: ranks=P steps=N bytes_vs_fp32=R bytes_vs_uniform=R error_vs_budget=R
+(bytes: float32's or uniform 4 bits' over lgreco's; error: measured squared error over
+uniform 4 bits', the budget at alpha = 1; both over the adaptive epochs).
+
+  --steps N            steps (default 40; at least 7: the first switch is at step 6)
+  --ranks P            ranks, 1..16 (default 4); each holds its gradients and the engine's buffers
+  --seed S             seed of the gradients and the rounding noise (default 1)
+  --png PATH           where the plot goes (default build/demo/bits.png)
+  --registration FILE  a registration file (docs/REGISTRATION.md) instead of ResNet-50
+  --algorithm A        the engine's algorithm (default auto: sra for 4 ranks and large buckets)
+)";
+
+struct Options {
+  uint64_t steps = kDefaultSteps;
+  int ranks = 4;
+  uint64_t seed = 1;
+  std::string png = "build/demo/bits.png";
+  std::string registration;
+  collective::Algorithm algorithm = collective::Algorithm::kAuto;
+};
+
+Options parse_options(int argc, char** argv, bool* help) {
+  Options o;
+  for (cli::Args args(argc, argv, 1); args.next();) {
+    const std::string& arg = args.arg();
+    if (args.is_help()) {
+      *help = true;
+      return o;
+    } else if (arg == "--steps") {
+      o.steps = cli::parse_u64(arg, args.value());
+    } else if (arg == "--ranks") {
+      const std::string v = args.value();
+      const uint64_t r = cli::parse_u64(arg, v);
+      if (r < 1 || r > kMaxRanks) throw cli::UsageError("--ranks must be 1.." + std::to_string(kMaxRanks) + ": " + v);
+      o.ranks = static_cast<int>(r);
+    } else if (arg == "--seed") {
+      o.seed = cli::parse_u64(arg, args.value());
+    } else if (arg == "--png") {
+      o.png = args.value();
+      if (o.png.empty()) throw cli::UsageError("--png needs a path");
+    } else if (arg == "--registration") {
+      o.registration = args.value();
+    } else if (arg == "--algorithm") {
+      const std::string v = args.value();
+      if (!collective::parse_algorithm(v, &o.algorithm))
+        throw cli::UsageError("--algorithm must be auto, sra or allgather: " + v);
+    } else {
+      throw cli::UsageError("unknown option " + arg);
+    }
+  }
+  if (o.steps <= kFirstSwitch || o.steps > 100000)
+    throw cli::UsageError("--steps must be " + std::to_string(kFirstSwitch + 1) +
+                          "..100000 (the first assignment takes effect at step " + std::to_string(kFirstSwitch) +
+                          "): " + std::to_string(o.steps));
+  return o;
+}
+
+// ---------------------------------------------------------------------------------------
+// Random numbers: splitmix64 to derive streams, xoshiro256** for bulk draws.
+
+uint64_t mix(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+uint64_t mix(uint64_t a, uint64_t b) { return mix(mix(a) ^ b); }
+uint64_t hash_text(std::string_view s) { return collective::digest(s); }
+
+class Xoshiro {
+ public:
+  explicit Xoshiro(uint64_t seed) {
+    for (uint64_t& w : s_) w = seed = mix(seed);
+  }
+  uint64_t next() {
+    const uint64_t result = rotl(s_[1] * 5, 7) * 9, t = s_[1] << 17;
+    s_[2] ^= s_[0], s_[3] ^= s_[1], s_[1] ^= s_[2], s_[0] ^= s_[3], s_[2] ^= t, s_[3] = rotl(s_[3], 45);
+    return result;
+  }
+  double uniform() { return (next() >> 11) * 0x1.0p-53; }  // [0, 1)
+  double normal() {                                        // Box-Muller, one value per call
+    const double u = 1.0 - uniform(), v = uniform();
+    return std::sqrt(-2.0 * std::log(u)) * std::cos(2.0 * std::numbers::pi * v);
+  }
+  // Gamma(shape >= 1, 1): Marsaglia and Tsang.
+  double gamma(double shape) {
+    const double d = shape - 1.0 / 3.0, c = 1.0 / std::sqrt(9.0 * d);
+    for (;;) {
+      double x, v;
+      do {
+        x = normal();
+        v = 1.0 + c * x;
+      } while (v <= 0);
+      v = v * v * v;
+      const double u = 1.0 - uniform();
+      if (std::log(u) < 0.5 * x * x + d - d * v + d * std::log(v)) return d * v;
+    }
+  }
+
+ private:
+  static uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
+  uint64_t s_[4];
+};
+
+// One standard normal from a hash (for per-layer constants).
+double normal_of(uint64_t h) { return Xoshiro(h).normal(); }
+double uniform_of(uint64_t h) { return Xoshiro(h).uniform(); }
+
+// ---------------------------------------------------------------------------------------
+// The model's layers, as the demo reports them.
+
+struct LayerInfo {
+  std::string name;
+  uint32_t bucket = 0;
+  uint64_t offset = 0, numel = 0;
+  uint64_t row = 0;  // elements per row (shape[0] rows), numel for 1-D tensors
+  bool adaptive = false;
+  uint32_t model_position = 0;  // 0 = the input side (registrations list buckets output first)
+  int group = 0;
+};
+
+struct Model {
+  std::string name, source;
+  std::vector<LayerInfo> layers;     // registration order, all buckets
+  std::vector<std::string> groups;   // in model order; only groups with adaptive layers
+  std::vector<uint32_t> plot_order;  // adaptive layers in model order (indices into layers)
+  uint64_t values = 0, adaptive_values = 0;
+};
+
+// The group of a layer: its name's first component ("layer3.1.conv2.weight" -> "layer3").
+std::string group_of(const std::string& name) { return name.substr(0, name.find('.')); }
+
+Model describe(const config::Registration& reg, const std::vector<BucketLayout>& layouts) {
+  Model m;
+  m.name = reg.model.empty() ? "(unnamed)" : reg.model;
+  m.source = reg.source;
+  for (size_t b = 0; b < reg.buckets.size(); ++b)
+    for (size_t l = 0; l < reg.buckets[b].layers.size(); ++l) {
+      const config::RegisteredLayer& r = reg.buckets[b].layers[l];
+      LayerInfo info;
+      info.name = r.name;
+      info.bucket = static_cast<uint32_t>(b);
+      info.offset = r.offset;
+      info.numel = r.numel;
+      info.row = std::max<uint64_t>(r.shape.size() >= 2 && r.shape[0] > 0 ? r.numel / r.shape[0] : r.numel, 1);
+      info.adaptive = layouts[b].layers[l].adaptive();
+      m.values += r.numel;
+      if (info.adaptive) m.adaptive_values += r.numel;
+      m.layers.push_back(std::move(info));
+    }
+  // DDP registers buckets from the output back to the input: model order is the reverse.
+  const uint32_t n = static_cast<uint32_t>(m.layers.size());
+  for (uint32_t i = 0; i < n; ++i) m.layers[i].model_position = n - 1 - i;
+  std::vector<uint32_t> order(n);
+  std::iota(order.begin(), order.end(), 0u);
+  std::reverse(order.begin(), order.end());
+  // Groups of adaptive layers, in model order; past 8, the rest share one column.
+  constexpr size_t kMaxGroups = 8;
+  std::map<std::string, int> index;
+  for (uint32_t i : order) {
+    LayerInfo& l = m.layers[i];
+    if (!l.adaptive) continue;
+    m.plot_order.push_back(i);
+    const std::string g = group_of(l.name);
+    auto it = index.find(g);
+    if (it == index.end()) {
+      if (m.groups.size() < kMaxGroups) {
+        it = index.emplace(g, static_cast<int>(m.groups.size())).first;
+        m.groups.push_back(g);
+      } else {
+        if (m.groups.size() == kMaxGroups) m.groups.push_back("rest");
+        it = index.emplace(g, static_cast<int>(kMaxGroups)).first;
+      }
+    }
+    l.group = it->second;
+  }
+  for (uint32_t i : order)  // kept layers share their group's index (the gradient model uses it)
+    if (!m.layers[i].adaptive) {
+      auto it = index.find(group_of(m.layers[i].name));
+      m.layers[i].group = it == index.end() ? -1 : it->second;
+    }
+  return m;
+}
+
+// ---------------------------------------------------------------------------------------
+// Synthetic gradients.
+//
+// Rank r's gradient of layer l at step t, element i in row j:
+//   g = s_l(t) * row_j * (sqrt(rho_l) * T_l[a + i] + sqrt(1 - rho_l) * T_l[b_r + i])
+// T_l is a table of unit-variance values of the layer's tail family (normal, or Student-t
+// with 10, 6, 4, 3 or 2.5 degrees of freedom), read from a per-(step, layer) offset a
+// shared by all ranks (the mean of the data-parallel gradients) and a per-rank offset b_r
+// (the noise of each rank's batch); rho_l is the share of the mean. The scale is
+// s_l(t) = s_l * (1 + t / 12)^(-gamma_l): log10 s_l falls with depth (the output layers
+// get a decade back: they see the loss directly), spread by a normal of 0.5 decades;
+// gamma_l is its group's drift (-0.3..1.2: some groups fade as training converges, some
+// grow) plus per-layer jitter. Rows have log-normal scales (sigma 0.5).
+
+class Gradients {
+ public:
+  static constexpr int kTails = 6;
+  static constexpr double kDof[kTails] = {0, 10, 6, 4, 3, 2.5};  // 0: normal
+  static constexpr uint64_t kTable = 262139;                     // prime: no alignment with buckets
+  static constexpr double kDriftSteps = 12;
+
+  Gradients(const Model& model, uint64_t seed) : seed_(seed) {
+    for (int k = 0; k < kTails; ++k) {
+      Xoshiro rng(mix(seed, 0x7461696c + k));
+      std::vector<float>& t = tables_[k];
+      t.resize(kTable);
+      const double nu = kDof[k];
+      for (float& v : t) {
+        const double z = rng.normal();
+        v = static_cast<float>(nu == 0 ? z : z / std::sqrt(2.0 * rng.gamma(nu / 2) / nu) * std::sqrt((nu - 2) / nu));
+      }
+    }
+    const double n = static_cast<double>(std::max<size_t>(model.layers.size(), 2) - 1);
+    const int last_group = static_cast<int>(model.groups.size()) - 1;
+    for (const LayerInfo& info : model.layers) {
+      Layer& l = layers_.emplace_back();
+      const uint64_t h = mix(seed, hash_text(info.name));
+      const uint64_t hg = mix(seed, hash_text(group_of(info.name)));
+      const double depth = info.model_position / n;
+      const double log10_scale = -1.5 - 2.0 * depth + (info.group == last_group ? 1.0 : 0.0) + 0.5 * normal_of(h);
+      l.scale = std::pow(10.0, log10_scale);
+      l.drift = -0.3 + 1.5 * uniform_of(hg) + 0.15 * normal_of(mix(h, 1));
+      l.tail = static_cast<int>(mix(h, 2) % kTails);
+      const double rho = 0.1 + 0.5 * uniform_of(mix(h, 3));
+      l.shared = std::sqrt(rho);
+      l.noise = std::sqrt(1 - rho);
+      l.offset = info.offset;
+      l.numel = info.numel;
+      l.row = info.row;
+      Xoshiro rng(mix(h, 4));
+      l.rows.resize((info.numel + info.row - 1) / info.row);
+      for (float& r : l.rows) r = static_cast<float>(std::exp(0.5 * rng.normal()));
+      l.index = static_cast<uint32_t>(layers_.size() - 1);
+      by_bucket_.resize(std::max<size_t>(by_bucket_.size(), info.bucket + 1));
+      by_bucket_[info.bucket].push_back(l.index);
+    }
+  }
+
+  // Rank r's gradient of one bucket at one step, as float32, into out[0, count).
+  void fill(int rank, uint64_t step, uint32_t bucket, float* out) const {
+    for (uint32_t index : by_bucket_[bucket]) {
+      const Layer& l = layers_[index];
+      const float* t = tables_[l.tail].data();
+      const double s = l.scale * std::pow(1.0 + static_cast<double>(step) / kDriftSteps, -l.drift);
+      uint64_t a = mix(mix(seed_, step), index) % kTable;
+      uint64_t b = mix(mix(mix(seed_, step), index), 1000 + static_cast<uint64_t>(rank)) % kTable;
+      float* o = out + l.offset;
+      for (uint64_t first = 0, row = 0; first < l.numel; first += l.row, ++row) {
+        const float ca = static_cast<float>(s * l.rows[row] * l.shared);
+        const float cb = static_cast<float>(s * l.rows[row] * l.noise);
+        uint64_t left = std::min(l.row, l.numel - first);
+        float* p = o + first;
+        while (left > 0) {
+          const uint64_t n = std::min({left, kTable - a, kTable - b});
+          const float* ta = t + a;
+          const float* tb = t + b;
+          for (uint64_t i = 0; i < n; ++i) p[i] = ca * ta[i] + cb * tb[i];
+          p += n, left -= n, a += n, b += n;
+          if (a == kTable) a = 0;
+          if (b == kTable) b = 0;
+        }
+      }
+    }
+  }
+
+ private:
+  struct Layer {
+    uint32_t index = 0;
+    uint64_t offset = 0, numel = 0, row = 1;
+    double scale = 1, drift = 0;
+    int tail = 0;
+    float shared = 1, noise = 0;
+    std::vector<float> rows;
+  };
+  uint64_t seed_;
+  std::vector<float> tables_[kTails];
+  std::vector<Layer> layers_;
+  std::vector<std::vector<uint32_t>> by_bucket_;
+};
+
+// ---------------------------------------------------------------------------------------
+// One run: ranks as threads.
+
+// What rank 0 saw at one step.
+struct StepRecord {
+  uint64_t epoch = 0;
+  std::vector<uint8_t> bits;  // per layer (registration order): quant bits, 0 for others
+  collective::EngineCounters counters;
+  controller::Solution solution;  // of the assignment in effect
+  double solve_ms = 0;
+  std::vector<collective::Algorithm> algorithms;  // per bucket
+  std::vector<double> error, norm;                // per layer: ||out - exact||^2 and ||exact||^2
+};
+
+struct Timers {
+  double generate = 0, allreduce = 0, check = 0;
+};
+
+class Run {
+ public:
+  Run(const Options& options, std::vector<BucketLayout> layouts, EngineOptions engine_options, const Model& model,
+      const Gradients& gradients)
+      : o_(options),
+        layouts_(std::move(layouts)),
+        engine_options_(std::move(engine_options)),
+        model_(model),
+        gradients_(gradients),
+        hub_(std::make_shared<collective::InProcHub>(options.ranks, std::chrono::minutes(5))),
+        sync_(options.ranks),
+        inputs_(options.ranks),
+        errors_(options.ranks),
+        norms_(options.ranks),
+        timers_(options.ranks) {
+    for (int r = 0; r < o_.ranks; ++r)
+      for (const BucketLayout& b : layouts_) inputs_[r].emplace_back(b.count * dtype_size(b.dtype));
+  }
+
+  // Runs every step; calls `on_step` on rank 0's thread after each. Returns "" or why it
+  // failed.
+  std::string run(const std::function<void(uint64_t step, const StepRecord&)>& on_step) {
+    std::vector<std::thread> threads;
+    for (int r = 0; r < o_.ranks; ++r) threads.emplace_back([this, r, &on_step] { rank_main(r, on_step); });
+    for (std::thread& t : threads) t.join();
+    return failure_;
+  }
+  const std::vector<Timers>& timers() const { return timers_; }
+
+ private:
+  void fail(const std::string& why) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (failure_.empty()) failure_ = why;
+    failed_ = true;
+  }
+
+  void rank_main(int r, const std::function<void(uint64_t, const StepRecord&)>& on_step) {
+    try {
+      collective::InProcFabric fabric(hub_, r);
+      collective::CpuBackend backend;
+      Engine engine(engine_options_, layouts_, fabric, backend);
+      std::vector<std::vector<uint8_t>> outputs;
+      for (const BucketLayout& b : layouts_) outputs.emplace_back(b.count * dtype_size(b.dtype));
+      std::vector<float> staging;  // for buckets that are not float32
+      Timers& timer = timers_[r];
+      for (uint64_t step = 0; step < o_.steps; ++step) {
+        double t0 = cli::seconds_now();
+        for (uint32_t b = 0; b < layouts_.size(); ++b) generate(r, step, b, staging);
+        double t1 = cli::seconds_now();
+        timer.generate += t1 - t0;
+        for (uint32_t b = 0; b < layouts_.size() && !failed_; ++b) {
+          const collective::EngineCall call{.bucket = b,
+                                            .step = step,
+                                            .send = inputs_[r][b].data(),
+                                            .recv = outputs[b].data(),
+                                            .count = layouts_[b].count,
+                                            .dtype = layouts_[b].dtype,
+                                            .op = collective::ReduceOp::kSum};
+          const collective::CallOutcome out = engine.allreduce(call);
+          if (out.kind != collective::CallOutcome::Kind::kDone) {
+            fail("rank " + std::to_string(r) + ", step " + std::to_string(step) + ", bucket " + std::to_string(b) +
+                 (out.kind == collective::CallOutcome::Kind::kPassThrough ? ": the engine passed the call through: "
+                                                                          : ": ") +
+                 out.message);
+            hub_->abort("rank " + std::to_string(r) + " failed");
+            break;
+          }
+        }
+        t0 = cli::seconds_now();
+        timer.allreduce += t0 - t1;
+        StepRecord record;
+        if (r == 0) record = snapshot(engine);
+        sync_.arrive_and_wait();  // every output and input of this step is ready
+        if (failed_) break;
+        check(r, outputs);
+        timer.check += cli::seconds_now() - t0;
+        sync_.arrive_and_wait();  // every rank's share of the check is done
+        if (failed_) break;
+        if (r == 0) {
+          record.error.assign(model_.layers.size(), 0.0);
+          record.norm.assign(model_.layers.size(), 0.0);
+          for (int q = 0; q < o_.ranks; ++q)
+            for (size_t l = 0; l < model_.layers.size(); ++l) {
+              record.error[l] += errors_[q][l];
+              record.norm[l] += norms_[q][l];
+            }
+          on_step(step, record);
+        }
+      }
+    } catch (const std::exception& e) {
+      fail("rank " + std::to_string(r) + ": " + e.what());
+      hub_->abort("rank " + std::to_string(r) + " failed");
+      sync_.arrive_and_drop();  // the others do not wait for this rank at the barriers
+    }
+  }
+
+  void generate(int r, uint64_t step, uint32_t b, std::vector<float>& staging) {
+    const BucketLayout& layout = layouts_[b];
+    if (layout.dtype == DType::kFloat32) {
+      gradients_.fill(r, step, b, reinterpret_cast<float*>(inputs_[r][b].data()));
+      return;
+    }
+    staging.resize(layout.count);
+    gradients_.fill(r, step, b, staging.data());
+    for (uint64_t i = 0; i < layout.count; ++i) store_from_float(inputs_[r][b].data(), layout.dtype, i, staging[i]);
+  }
+
+  StepRecord snapshot(const Engine& engine) const {
+    StepRecord s;
+    s.epoch = engine.epoch();
+    s.counters = engine.counters();
+    if (const auto a = engine.assignment()) s.solution = a->solution;
+    if (const controller::Controller* c = engine.controller()) s.solve_ms = c->counters().last_solve_ms;
+    for (uint32_t b = 0; b < layouts_.size(); ++b) s.algorithms.push_back(engine.algorithm(b));
+    for (uint32_t b = 0; b < layouts_.size(); ++b)
+      for (const CodecSpec& c : engine.layer_codecs(b))
+        s.bits.push_back(c.family() == CodecFamily::kQuant ? static_cast<uint8_t>(c.quant_params().bits) : 0);
+    return s;
+  }
+
+  // This rank's share of the error check: a 1/P slice of every bucket, against the exact
+  // float64 sum of all ranks' inputs. Outputs are bit-identical on every rank (a test of
+  // the engine checks that), so each rank reads its own.
+  void check(int r, const std::vector<std::vector<uint8_t>>& outputs) {
+    std::vector<double>& err = errors_[r];
+    std::vector<double>& nrm = norms_[r];
+    err.assign(model_.layers.size(), 0.0);
+    nrm.assign(model_.layers.size(), 0.0);
+    const int p = o_.ranks;
+    for (size_t l = 0; l < model_.layers.size(); ++l) {
+      const LayerInfo& info = model_.layers[l];
+      const BucketLayout& layout = layouts_[info.bucket];
+      const uint64_t begin = layout.count * r / p, end = layout.count * (r + 1) / p;
+      const uint64_t lo = std::max(begin, info.offset), hi = std::min(end, info.offset + info.numel);
+      if (lo >= hi) continue;
+      double e = 0, n = 0;
+      if (layout.dtype == DType::kFloat32) {
+        const float* in[kMaxRanks];
+        for (int q = 0; q < p; ++q) in[q] = reinterpret_cast<const float*>(inputs_[q][info.bucket].data());
+        const float* out = reinterpret_cast<const float*>(outputs[info.bucket].data());
+        for (uint64_t i = lo; i < hi; ++i) {
+          double x = 0;
+          for (int q = 0; q < p; ++q) x += in[q][i];
+          const double d = out[i] - x;
+          e += d * d;
+          n += x * x;
+        }
+      } else {
+        for (uint64_t i = lo; i < hi; ++i) {
+          double x = 0;
+          for (int q = 0; q < p; ++q) x += load_as_float(inputs_[q][info.bucket].data(), layout.dtype, i);
+          const double d = load_as_float(outputs[info.bucket].data(), layout.dtype, i) - x;
+          e += d * d;
+          n += x * x;
+        }
+      }
+      err[l] = e;
+      nrm[l] = n;
+    }
+  }
+
+  const Options& o_;
+  const std::vector<BucketLayout> layouts_;
+  const EngineOptions engine_options_;
+  const Model& model_;
+  const Gradients& gradients_;
+  std::shared_ptr<collective::InProcHub> hub_;
+  std::barrier<> sync_;
+  std::vector<std::vector<std::vector<uint8_t>>> inputs_;  // [rank][bucket], read by every rank's check
+  std::vector<std::vector<double>> errors_, norms_;        // [rank][layer]: each rank's share of a step
+  std::vector<Timers> timers_;
+  std::mutex mutex_;
+  std::atomic<bool> failed_{false};
+  std::string failure_;
+};
+
+// ---------------------------------------------------------------------------------------
+// Reporting
+
+std::string thousands(uint64_t v) {
+  const std::string digits = std::to_string(v);
+  std::string s;
+  for (size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0) s.push_back(',');
+    s.push_back(digits[i]);
+  }
+  return s;
+}
+
+// Viridis at seven points, for 2..8 bits.
+constexpr png::Rgb kBitColours[kMaxBits - kMinBits + 1] = {
+    {68, 1, 84}, {68, 57, 131}, {49, 104, 142}, {33, 145, 140}, {53, 183, 121}, {144, 215, 67}, {253, 231, 37}};
+png::Rgb colour_of(int bits) {
+  if (bits < kMinBits || bits > kMaxBits) return {128, 128, 128};
+  return kBitColours[bits - kMinBits];
+}
+
+// Columns: adaptive layers in model order, a gap between groups; rows: steps, top down,
+// each switch ticked and numbered on the left; a legend of the bit colours on the right.
+std::vector<uint8_t> plot(const Model& m, const std::vector<std::vector<uint8_t>>& bits_by_step,
+                          const std::vector<uint64_t>& switch_steps) {
+  const int layers = static_cast<int>(m.plot_order.size());
+  const int steps = static_cast<int>(bits_by_step.size());
+  const int cell_w = std::clamp(640 / std::max(layers, 1), 2, 12);
+  const int rows = std::min(steps, 1024);  // past 1024 steps, rows sample the steps
+  const int cell_h = std::clamp(480 / std::max(rows, 1), 1, 12);
+  const auto new_group = [&](int i) {
+    return i > 0 && m.layers[m.plot_order[i]].group != m.layers[m.plot_order[i - 1]].group;
+  };
+  const int gap = 2;
+  int gaps = 0;
+  for (int i = 1; i < layers; ++i) gaps += new_group(i) ? gap : 0;
+  const int margin = 6, left = margin + png::Canvas::text_width("000000") + 4, legend_w = 36;
+  const int plot_w = layers * cell_w + gaps, plot_h = rows * cell_h;
+  const int width = left + plot_w + margin + legend_w, height = std::max(plot_h, 7 * 14) + 2 * margin;
+  png::Canvas c(static_cast<uint32_t>(width), static_cast<uint32_t>(height), {255, 255, 255});
+  for (int row = 0; row < rows; ++row) {
+    const int step = static_cast<int>(static_cast<int64_t>(row) * steps / rows);
+    int x = left;
+    for (int i = 0; i < layers; ++i) {
+      if (new_group(i)) x += gap;
+      c.fill(x, margin + row * cell_h, cell_w, cell_h, colour_of(bits_by_step[step][m.plot_order[i]]));
+      x += cell_w;
+    }
+  }
+  for (uint64_t s : switch_steps) {
+    const int y = margin + static_cast<int>(static_cast<int64_t>(s) * rows / std::max(steps, 1)) * cell_h;
+    const std::string label = std::to_string(s);
+    c.text(left - 4 - png::Canvas::text_width(label), y - 2, label, {0, 0, 0});
+    c.fill(left - 3, y, 3, 1, {0, 0, 0});
+  }
+  const int lx = left + plot_w + margin;
+  for (int b = kMinBits; b <= kMaxBits; ++b) {
+    const int y = margin + (b - kMinBits) * 14;
+    c.fill(lx, y, 12, 12, colour_of(b));
+    c.text(lx + 16, y + 1, std::to_string(b), {0, 0, 0}, 2);
+  }
+  return png::encode_rgb(c.width(), c.height(), c.pixels());
+}
+
+// What the demo adds up over an epoch, or over all adaptive epochs.
+struct Totals {
+  uint64_t epoch = 0, first_step = 0, steps = 0;
+  std::vector<uint8_t> bits;      // per layer, at the first step
+  controller::Solution solution;  // of the epoch's assignment
+  double solve_ms = 0;
+  uint64_t encoded = 0, uncompressed = 0, uniform = 0;  // bytes of one encoding per call
+  double error = 0, norm = 0, uniform_error = 0;        // squared, summed over layers and steps
+  bool uniform_known = false;
+};
+
+// The table, one line per epoch, printed on rank 0's thread as the steps come in.
+class Report {
+ public:
+  Report(const Model& model, uint64_t uniform_bytes) : model_(model), uniform_bytes_(uniform_bytes) {
+    uniform_error_.assign(model.layers.size(), 0.0);
+    uniform_norm_.assign(model.layers.size(), 0.0);
+  }
+
+  void print_header() {
+    std::string header = "epoch   steps ";
+    for (const std::string& g : model_.groups) {
+      const std::string shown = g.substr(0, 12);
+      widths_.push_back(std::max<int>(6, static_cast<int>(shown.size())));
+      char cell[32];
+      snprintf(cell, sizeof cell, " %*s", widths_.back(), shown.c_str());
+      header += cell;
+    }
+    printf("%s    all  vs_fp32  vs_u4  pred/bud   rel_err    u4_err  err/bud  solve_ms\n", header.c_str());
+    fflush(stdout);
+  }
+
+  void add(uint64_t step, const StepRecord& s) {
+    bits_by_step_.push_back(s.bits);
+    if (step == 0) algorithms_ = s.algorithms;
+    if (current_.steps == 0 || s.epoch != current_.epoch) {
+      if (current_.steps > 0) {
+        print(current_);
+        switch_steps_.push_back(step);
+      }
+      current_ = Totals{};
+      current_.epoch = s.epoch;
+      current_.first_step = step;
+      current_.bits = s.bits;
+      current_.solution = s.solution;
+      current_.solve_ms = s.solve_ms;
+    }
+    const uint64_t encoded = s.counters.encoded_bytes - last_.encoded_bytes;
+    const uint64_t uncompressed = s.counters.uncompressed_bytes - last_.uncompressed_bytes;
+    last_ = s.counters;
+    const size_t n = model_.layers.size();
+    double error = 0, norm = 0, uniform = 0;
+    for (size_t l = 0; l < n; ++l) error += s.error[l], norm += s.norm[l];
+    if (s.epoch == 0 && step >= kFirstUniformStep && step < kFirstSwitch)
+      for (size_t l = 0; l < n; ++l) uniform_error_[l] += s.error[l], uniform_norm_[l] += s.norm[l];
+    const bool adaptive = s.epoch > 0;
+    if (adaptive)
+      for (size_t l = 0; l < n; ++l)
+        if (uniform_norm_[l] > 0) uniform += uniform_error_[l] / uniform_norm_[l] * s.norm[l];
+    for (Totals* t : {&current_, adaptive ? &adaptive_ : nullptr}) {
+      if (!t) continue;
+      ++t->steps;
+      t->encoded += encoded;
+      t->uncompressed += uncompressed;
+      t->uniform += uniform_bytes_;
+      t->error += error;
+      t->norm += norm;
+      if (adaptive) t->uniform_error += uniform, t->uniform_known = true;
+    }
+  }
+
+  void finish() {
+    if (current_.steps > 0) print(current_);
+  }
+
+  const Totals& adaptive() const { return adaptive_; }
+  const std::vector<std::vector<uint8_t>>& bits_by_step() const { return bits_by_step_; }
+  const std::vector<uint64_t>& switch_steps() const { return switch_steps_; }
+  const std::vector<collective::Algorithm>& algorithms() const { return algorithms_; }
+
+ private:
+  void print(const Totals& e) const {
+    char steps[48];
+    snprintf(steps, sizeof steps, "%llu-%llu", static_cast<unsigned long long>(e.first_step),
+             static_cast<unsigned long long>(e.first_step + e.steps - 1));
+    printf("%5llu %7s ", static_cast<unsigned long long>(e.epoch), steps);
+    std::vector<double> bits(model_.groups.size(), 0), values(model_.groups.size(), 0);
+    double all_bits = 0, all_values = 0;
+    for (uint32_t i : model_.plot_order) {
+      const LayerInfo& l = model_.layers[i];
+      bits[l.group] += static_cast<double>(e.bits[i]) * static_cast<double>(l.numel);
+      values[l.group] += static_cast<double>(l.numel);
+    }
+    for (size_t g = 0; g < model_.groups.size(); ++g) {
+      printf(" %*.2f", widths_[g], bits[g] / values[g]);
+      all_bits += bits[g], all_values += values[g];
+    }
+    printf(" %6.2f %8.2f %6.3f", all_bits / all_values, ratio(e.uncompressed, e.encoded), ratio(e.uniform, e.encoded));
+    if (e.epoch > 0 && e.solution.budget > 0)
+      printf(" %9.4f", e.solution.error / e.solution.budget);
+    else
+      printf(" %9s", "-");
+    printf(" %9.3e", std::sqrt(e.error / e.norm));
+    if (e.uniform_known)
+      printf(" %9.3e %8.4f", std::sqrt(e.uniform_error / e.norm), e.error / e.uniform_error);
+    else
+      printf(" %9s %8s", "-", "-");
+    if (e.epoch > 0)
+      printf(" %9.2f\n", e.solve_ms);
+    else
+      printf(" %9s\n", "-");
+    fflush(stdout);
+  }
+  static double ratio(uint64_t a, uint64_t b) { return static_cast<double>(a) / static_cast<double>(b); }
+
+  const Model& model_;
+  const uint64_t uniform_bytes_;
+  std::vector<int> widths_;
+  // Uniform 4 bits, per layer: squared error and exact norm over the uniform steps used.
+  std::vector<double> uniform_error_, uniform_norm_;
+  Totals current_, adaptive_;
+  collective::EngineCounters last_;
+  std::vector<std::vector<uint8_t>> bits_by_step_;
+  std::vector<uint64_t> switch_steps_;
+  std::vector<collective::Algorithm> algorithms_;
+};
+
+// Creates the plot's directory and checks that the file can be written, before the run
+// rather than after it.
+void prepare_png(const std::string& path) {
+  const std::filesystem::path p(path);
+  if (p.has_parent_path()) {
+    std::error_code ec;
+    std::filesystem::create_directories(p.parent_path(), ec);
+    if (ec) throw std::runtime_error("cannot create the directory of '" + path + "': " + ec.message());
+  }
+  const bool existed = std::filesystem::exists(p);
+  FILE* f = fopen(path.c_str(), "ab");
+  if (!f) throw std::runtime_error("cannot write '" + path + "': " + strerror(errno));
+  fclose(f);
+  if (!existed) remove(path.c_str());
+}
+
+int run(int argc, char** argv) {
+  bool help = false;
+  const Options o = parse_options(argc, argv, &help);
+  if (help) {
+    fputs(kUsage, stdout);
+    return 0;
+  }
+  const double start = cli::seconds_now();
+  const config::Registration reg =
+      o.registration.empty() ? config::parse_registration(demo_data::kRegistration, demo_data::kRegistrationSource)
+                             : config::load_registration(o.registration);
+
+  EngineOptions options;
+  options.mode = config::Mode::kAdaptive;
+  options.codec = CodecSpec::parse("quant:bits=" + std::to_string(kDefaultBits));
+  for (int b = kMinBits; b <= kMaxBits; ++b)
+    options.candidates.push_back(CodecSpec::parse("quant:bits=" + std::to_string(b)));
+  options.error_feedback = true;
+  options.algorithm = o.algorithm;
+  options.seed = mix(o.seed, 0x726f756e64);  // the rounding noise
+  options.controller.schedule = kSchedule;
+  options.parameters_text = "lgreco-demo";
+  std::vector<BucketLayout> layouts;
+  for (size_t b = 0; b < reg.buckets.size(); ++b) {
+    layouts.push_back(collective::layout_from_registration(reg.buckets[b], options));
+    collective::validate(layouts.back(), b);
+  }
+  const Model model = describe(reg, layouts);
+  if (model.plot_order.empty())
+    throw std::runtime_error(reg.source + ": no layer is compressed adaptively (each is 1-D, under " +
+                             std::to_string(config::kMinCompressedElements) + " elements, never or pinned)");
+  uint64_t uniform_bytes = 0;  // one encoding of every bucket at the defaults
+  for (const BucketLayout& b : layouts)
+    for (const collective::LayerLayout& l : b.layers)
+      uniform_bytes += collective::encoded_bytes(l.candidates[l.default_index], b.dtype, l.numel);
+  prepare_png(o.png);
+  const Gradients gradients(model, o.seed);
+
+  using ull = unsigned long long;
+  printf("# lgreco-demo, lgreco %s\n", version_string());
+  printf(
+      "# model %s (%s): %zu layers in %zu buckets, %s values; %zu layers (%s values) adaptive, the rest float32 "
+      "(1-D, under %llu elements or registered never)\n",
+      model.name.c_str(), reg.source.c_str(), model.layers.size(), reg.buckets.size(), thousands(model.values).c_str(),
+      model.plot_order.size(), thousands(model.adaptive_values).c_str(),
+      static_cast<ull>(config::kMinCompressedElements));
+  printf(
+      "# %d ranks as threads (in-process fabric, CPU backend), algorithm %s, error feedback; default %s, "
+      "candidates quant bits %d..%d\n",
+      o.ranks, collective::algorithm_name(o.algorithm), options.codec.str().c_str(), kMinBits, kMaxBits);
+  printf(
+      "# controller: warmup %llu, period %llu, window %llu, switch lag %llu; alpha 1, squared error; switches at "
+      "steps %llu, %llu, ...\n",
+      static_cast<ull>(kSchedule.warmup), static_cast<ull>(kSchedule.period), static_cast<ull>(kSchedule.window),
+      static_cast<ull>(kSchedule.switch_lag), static_cast<ull>(kFirstSwitch),
+      static_cast<ull>(kFirstSwitch + kSchedule.period));
+  printf(
+      "# gradients: synthetic, seed %llu: per-layer scales over 4 decades (falling with depth), normal or Student-t "
+      "tails (nu 10..2.5), per-row scales, a mean shared by the ranks plus per-rank noise, scales drifting per "
+      "group over steps\n",
+      static_cast<ull>(o.seed));
+  printf(
+      "#\n# per epoch of the controller: mean bits per value chosen for each group's adaptive layers; bytes of\n"
+      "# float32 and of uniform 4 bits over lgreco's (one encoding per call); pred/bud: the controller's\n"
+      "# predicted error over its budget; rel_err: measured ||out - exact|| / ||exact|| of the allreduce\n"
+      "# against the float64 sum of the inputs; u4_err: uniform 4 bits' (each layer's relative error in the\n"
+      "# uniform steps %llu-%llu, at this epoch's norms); err/bud: measured squared error over uniform 4 bits'\n",
+      static_cast<ull>(kFirstUniformStep), static_cast<ull>(kFirstSwitch - 1));
+  Report report(model, uniform_bytes);
+  report.print_header();
+
+  Run runner(o, layouts, options, model, gradients);
+  const std::string failure = runner.run([&](uint64_t step, const StepRecord& s) { report.add(step, s); });
+  if (!failure.empty()) throw std::runtime_error(failure);
+  report.finish();
+  const Totals& adaptive = report.adaptive();
+  if (adaptive.steps == 0 || adaptive.encoded == 0 || !(adaptive.uniform_error > 0))
+    throw std::runtime_error("the controller never switched to an adaptive assignment in " + std::to_string(o.steps) +
+                             " steps (a failed solve? LGRECO_DEBUG=INFO says more)");
+
+  const std::vector<uint8_t> png = plot(model, report.bits_by_step(), report.switch_steps());
+  cli::write_file(o.png, png.data(), png.size());
+  const double seconds = cli::seconds_now() - start;
+  Timers mean;
+  for (const Timers& t : runner.timers()) {
+    mean.generate += t.generate / o.ranks;
+    mean.allreduce += t.allreduce / o.ranks;
+    mean.check += t.check / o.ranks;
+  }
+  std::map<std::string, int> algorithms;
+  for (collective::Algorithm a : report.algorithms()) ++algorithms[collective::algorithm_name(a)];
+  std::string used;
+  for (const auto& [name, count] : algorithms)
+    used += (used.empty() ? "" : ", ") + name + " for " + std::to_string(count) + " of " +
+            std::to_string(layouts.size()) + " buckets";
+  printf(
+      "#\n# bits per layer: %s (%zu adaptive layers in model order, left to right, a gap between groups; %llu "
+      "steps, top to bottom, switches ticked on the left; colours for 2..8 bits in its legend)\n",
+      o.png.c_str(), model.plot_order.size(), static_cast<ull>(o.steps));
+  printf(
+      "# adaptive epochs, %llu steps: %s bytes per step against %s in float32 and %s at uniform 4 bits; "
+      "relative error %.3e against uniform 4 bits' %.3e; engine: %s\n",
+      static_cast<ull>(adaptive.steps), thousands(adaptive.encoded / adaptive.steps).c_str(),
+      thousands(adaptive.uncompressed / adaptive.steps).c_str(), thousands(uniform_bytes).c_str(),
+      std::sqrt(adaptive.error / adaptive.norm), std::sqrt(adaptive.uniform_error / adaptive.norm), used.c_str());
+  printf("# %.1f s; per rank: gradients %.1f s, allreduce %.1f s, error check %.1f s\n", seconds, mean.generate,
+         mean.allreduce, mean.check);
+  printf("demo: ranks=%d steps=%llu bytes_vs_fp32=%.3f bytes_vs_uniform=%.3f error_vs_budget=%.4f\n", o.ranks,
+         static_cast<ull>(o.steps), static_cast<double>(adaptive.uncompressed) / static_cast<double>(adaptive.encoded),
+         static_cast<double>(adaptive.uniform) / static_cast<double>(adaptive.encoded),
+         adaptive.error / adaptive.uniform_error);
+  return 0;
+}
+
+}  // namespace
+}  // namespace lgreco
+
+int main(int argc, char** argv) {
+  return lgreco::cli::guarded_main("lgreco-demo", [&] { return lgreco::run(argc, argv); });
+}
