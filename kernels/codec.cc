@@ -32,11 +32,15 @@ class NoneCodec final : public Codec {
       const float x = load_as_float(in.data, dtype(), i);
       const float v = residual ? x + residual[i] : x;
       store_from_float(out.data(), dtype(), i, v);
-      if (!quant::is_finite_value(v)) {
+      // A value that is finite in float32 but overflows the element type (above 65504 in
+      // float16) is sent as an infinity like any overflow; its residual stays as it was,
+      // or it would hold -inf for good.
+      const float sent = round_to_dtype(v, dtype());
+      if (!quant::is_finite_value(sent)) {
         ++report.nonfinite_buckets;  // each value is its own "bucket"
         continue;
       }
-      if (residual) residual[i] = v - round_to_dtype(v, dtype());
+      if (residual) residual[i] = v - sent;
     }
     return report;
   }

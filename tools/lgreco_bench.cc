@@ -93,6 +93,7 @@ struct Options {
   int iters = 20, warmup = 5;
   bool check = true;
   DType dtype = DType::kFloat32;
+  bool dtype_given = false;
   ReduceOp op = ReduceOp::kSum;
   std::string codec = "quant:bits=4";
   std::string registration;
@@ -154,6 +155,7 @@ Options parse(int argc, char** argv) {
       o.check = parse_int(a, args.value(), 0, 1) == 1;
     } else if (a == "-d" || a == "--datatype") {
       const std::string t = args.value();
+      o.dtype_given = true;
       if (t == "float" || t == "float32") o.dtype = DType::kFloat32;
       else if (t == "half" || t == "float16") o.dtype = DType::kFloat16;
       else if (t == "bfloat16") o.dtype = DType::kBFloat16;
@@ -226,6 +228,8 @@ Options parse(int argc, char** argv) {
     throw cli::UsageError("--rank " + std::to_string(o.rank) + " is not below --world-size " + std::to_string(o.world_size));
   if ((o.rank >= 0 || !o.master_addr.empty() || o.master_port >= 0) && o.fabric != "socket")
     throw cli::UsageError("--rank, --world-size, --master-addr and --master-port need --fabric socket");
+  if (!o.registration.empty() && o.dtype_given)
+    throw cli::UsageError("-d/--datatype does not go with --registration: each bucket's type is the registration's");
   if (!o.registration.empty() && !o.adaptive())
     throw cli::UsageError("--registration needs --codec lgreco (with a fixed codec use --segment-bytes)");
   return o;
@@ -250,15 +254,23 @@ float input_value(uint64_t seed, int rank, uint64_t i, DType dtype) {
   return round_to_dtype(v, dtype);
 }
 
-void fill_input(std::vector<uint8_t>& buffer, uint64_t seed, int rank, uint64_t count, DType dtype) {
-  buffer.resize(count * dtype_size(dtype));
-  for (uint64_t i = 0; i < count; ++i) store_from_float(buffer.data(), dtype, i, input_value(seed, rank, i, dtype));
-}
-
 // The largest error one quantization of a bucket of values in [lo, hi] may add.
 double unit_bound(const CodecSpec& spec, double lo, double hi) {
   if (spec.family() != CodecFamily::kQuant) return 0.0;
   return (hi - lo) / ((1u << spec.quant_params().bits) - 1);
+}
+
+// Half an ulp of the output type at magnitude m, and never less than half its smallest
+// subnormal (float16: 2^-24; bfloat16: 2^-133), where the spacing stops shrinking. Twice
+// that, for a value that lands next to a rounding boundary of the type after float32
+// accumulation.
+double output_rounding(DType dtype, double m) {
+  switch (dtype) {
+    case DType::kFloat32: return 0.0;
+    case DType::kFloat16: return std::max(std::ldexp(m, -10), std::ldexp(1.0, -24));
+    case DType::kBFloat16: return std::max(std::ldexp(m, -7), std::ldexp(1.0, -133));
+  }
+  return 0.0;
 }
 
 struct CheckResult {
@@ -312,7 +324,7 @@ CheckResult check_output(const std::vector<uint8_t>& out, const BucketLayout& la
         const double want = exact[i] / divisor;
         const double got = load_as_float(out.data(), dtype, e);
         const double rounding = (ranks + 3) * std::ldexp(magnitude[i] / divisor, -23) +
-                                (dtype == DType::kFloat32 ? 0.0 : std::ldexp(std::fabs(want) + units, dtype == DType::kFloat16 ? -10 : -7));
+                                output_rounding(dtype, std::fabs(want) + units / divisor + reencode);
         const double bound = units / divisor + reencode + rounding;
         const double d = got - want;
         r.squared_error += d * d;
@@ -329,7 +341,7 @@ CheckResult check_output(const std::vector<uint8_t>& out, const BucketLayout& la
 
 struct Row {
   uint64_t bytes = 0, count = 0;
-  std::string codec;
+  std::string codec, type;
   double seconds = 0, wire_bytes = 0, rel_err = NAN;
   double wrong = NAN;
 };
@@ -364,8 +376,16 @@ EngineOptions engine_options(const Options& o, int rank) {
   }
   eo.error_feedback = o.error_feedback;
   eo.algorithm = o.algorithm;
-  eo.valid = true;
-  eo.parameters_text = "lgreco-bench " + o.codec + " " + o.objective;  // every rank runs the same command
+  // What the ranks must agree on beyond the parameters: the bench's own settings.
+  char schedule[96];
+  snprintf(schedule, sizeof schedule, " schedule=%llu,%llu,%llu,%llu", static_cast<unsigned long long>(o.schedule[0]),
+           static_cast<unsigned long long>(o.schedule[1]), static_cast<unsigned long long>(o.schedule[2]),
+           static_cast<unsigned long long>(o.schedule[3]));
+  eo.parameters_text += " bench: codec=" + o.codec + " objective=" + o.objective + schedule +
+                        " error_feedback=" + (o.error_feedback ? "1" : "0") +
+                        " algorithm=" + collective::algorithm_name(o.algorithm) + " dtype=" + dtype_name(o.dtype) +
+                        " op=" + (o.op == ReduceOp::kAvg ? "avg" : "sum") + " segment_bytes=" +
+                        std::to_string(o.segment_bytes) + " registration=" + o.registration;
   return eo;
 }
 
@@ -389,10 +409,11 @@ std::vector<Row> run_rank(const Options& o, Fabric& fabric) {
     std::vector<std::vector<uint8_t>> inputs(buckets.size()), outputs(buckets.size());
     uint64_t offset = 0, total_count = 0;
     for (size_t b = 0; b < buckets.size(); ++b) {
-      fill_input(inputs[b], o.seed, me, buckets[b].count, o.dtype);
       // Element i of bucket b draws input i + offset: buckets hold different values.
+      const DType t = buckets[b].dtype;
+      inputs[b].resize(buckets[b].count * dtype_size(t));
       for (uint64_t i = 0; i < buckets[b].count; ++i)
-        store_from_float(inputs[b].data(), o.dtype, i, input_value(o.seed, me, offset + i, o.dtype));
+        store_from_float(inputs[b].data(), t, i, input_value(o.seed, me, offset + i, t));
       offset += buckets[b].count;
       outputs[b].assign(inputs[b].size(), 0);
       total_count += buckets[b].count;
@@ -406,7 +427,7 @@ std::vector<Row> run_rank(const Options& o, Fabric& fabric) {
       const double start = cli::seconds_now();
       for (size_t b = 0; b < buckets.size(); ++b) {
         const CallOutcome out = engine.allreduce({static_cast<uint32_t>(b), step, inputs[b].data(), outputs[b].data(),
-                                                  buckets[b].count, o.dtype, o.op, false});
+                                                  buckets[b].count, buckets[b].dtype, o.op, false});
         if (out.kind == CallOutcome::Kind::kError) throw std::runtime_error(out.message);
         if (out.kind == CallOutcome::Kind::kPassThrough)
           throw std::runtime_error("the engine passed the call through: " + out.message);
@@ -422,7 +443,11 @@ std::vector<Row> run_rank(const Options& o, Fabric& fabric) {
     for (int i = 0; i < o.iters; ++i) iterate(true);
 
     Row row;
-    row.bytes = total_count * dtype_size(o.dtype);
+    row.type = dtype_name(buckets.empty() ? o.dtype : buckets[0].dtype);
+    for (const BucketLayout& bucket : buckets) {
+      row.bytes += bucket.count * dtype_size(bucket.dtype);
+      if (bucket.dtype != buckets[0].dtype) row.type = "mixed";
+    }
     row.count = total_count;
     std::sort(times.begin(), times.end());
     row.seconds = times[times.size() / 2];
@@ -433,7 +458,7 @@ std::vector<Row> run_rank(const Options& o, Fabric& fabric) {
       for (size_t b = 0; b < buckets.size(); ++b) {
         const auto codecs = engine.layer_codecs(static_cast<uint32_t>(b));
         for (size_t l = 0; l < codecs.size(); ++l)
-          bits += 8.0 * collective::encoded_bytes(codecs[l], o.dtype, buckets[b].layers[l].numel);
+          bits += 8.0 * collective::encoded_bytes(codecs[l], buckets[b].dtype, buckets[b].layers[l].numel);
       }
       char text[64];
       snprintf(text, sizeof text, "lgreco(%.2fb,e%llu)", bits / total_count,
@@ -458,13 +483,13 @@ std::vector<Row> run_rank(const Options& o, Fabric& fabric) {
       for (const auto& out : outputs) h = collective::digest({reinterpret_cast<const char*>(out.data()), out.size()}, h);
       std::vector<double> sums(n + 1, 0.0);
       sums[me] = static_cast<double>(h >> 12);  // 52 bits: exact in a double
-      sums[n] = static_cast<double>(o.error_feedback ? 0 : c.wrong);
+      sums[n] = static_cast<double>(o.error_feedback ? 0 : c.wrong);  // the bound assumes no residual
       fabric.all_reduce_sum(std::span<double>(sums));
       double wrong = sums[n];
       for (int r = 1; r < n; ++r)
         if (sums[r] != sums[0]) wrong += static_cast<double>(total_count);
       row.rel_err = c.squared_exact > 0 ? std::sqrt(c.squared_error / c.squared_exact) : 0.0;
-      row.wrong = o.error_feedback ? NAN : wrong;
+      row.wrong = wrong;  // with error feedback: only outputs that differ between ranks
     }
     if (me == 0) rows.push_back(row);
   }
@@ -475,7 +500,8 @@ void print_header(const Options& o, int ranks) {
   printf("# lgreco-bench %s (%s)\n", version_string(), bench::utc_now().c_str());
   printf("# ranks %d, fabric %s, backend cpu, codec %s, algorithm %s, error feedback %s, op %s, datatype %s\n",
          ranks, o.fabric.c_str(), o.codec.c_str(), collective::algorithm_name(o.algorithm),
-         o.error_feedback ? "on" : "off", o.op == ReduceOp::kAvg ? "avg" : "sum", dtype_name(o.dtype));
+         o.error_feedback ? "on" : "off", o.op == ReduceOp::kAvg ? "avg" : "sum",
+         o.registration.empty() ? dtype_name(o.dtype) : "the registration's");
   if (o.adaptive())
     printf("# lgreco: objective %s, schedule %llu,%llu,%llu,%llu%s%s\n", o.objective.c_str(),
            static_cast<unsigned long long>(o.schedule[0]), static_cast<unsigned long long>(o.schedule[1]),
@@ -488,14 +514,14 @@ void print_header(const Options& o, int ranks) {
   fflush(stdout);
 }
 
-void print_row(const Row& r, const Options& o, int ranks) {
+void print_row(const Row& r, int ranks) {
   const double algbw = r.bytes / r.seconds / 1e9;
   const double busbw = algbw * 2.0 * (ranks - 1) / ranks;
   char wrong[32] = "-", rel[32] = "-";
   if (!std::isnan(r.wrong)) snprintf(wrong, sizeof wrong, "%.0f", r.wrong);
   if (!std::isnan(r.rel_err)) snprintf(rel, sizeof rel, "%.3e", r.rel_err);
   printf(" %12llu %12llu %9s %22s %11.1f %9.3f %9.3f %12.0f %9.3f %10s %8s\n",
-         static_cast<unsigned long long>(r.bytes), static_cast<unsigned long long>(r.count), dtype_name(o.dtype),
+         static_cast<unsigned long long>(r.bytes), static_cast<unsigned long long>(r.count), r.type.c_str(),
          r.codec.c_str(), r.seconds * 1e6, algbw, busbw, r.wire_bytes, r.wire_bytes / r.seconds / 1e9, rel, wrong);
   fflush(stdout);
 }
@@ -504,7 +530,7 @@ void print_row(const Row& r, const Options& o, int ranks) {
 int report(const std::vector<Row>& rows, const Options& o, int ranks) {
   uint64_t wrong = 0;
   for (const Row& r : rows) {
-    print_row(r, o, ranks);
+    print_row(r, ranks);
     if (!std::isnan(r.wrong)) wrong += static_cast<uint64_t>(r.wrong);
   }
   if (o.check) printf("# Out of bounds values : %llu %s\n", static_cast<unsigned long long>(wrong), wrong ? "FAILED" : "OK");

@@ -101,10 +101,10 @@ class Backend {
   virtual void narrow(const float* acc, uint64_t n, ElementSpan out) = 0;
 
   // The squared error of every candidate on input + residual for each measured layer of
-  // the segments: squared[l * candidates.size() + c] = the layer's total over its
-  // segments (squared errors add across buckets), nonfinite[l] = 1 if any value of the
-  // layer was not finite (its errors are then meaningless). Layers not measured are left
-  // alone. Both outputs are zeroed for the measured layers first.
+  // the segments, ADDED to squared[l * candidates.size() + c] (squared errors add across
+  // buckets, segments and quantization stages); nonfinite[l] becomes 1 if any value of
+  // the layer was not finite (its errors are then meaningless), and is never cleared
+  // here. Layers not measured are left alone; the caller zeroes both arrays.
   struct Measure {
     std::span<const CodecSpec> candidates;  // the same list for every layer measured
     std::span<const uint8_t> measured;      // per layer of the bucket: 1 if measured
@@ -114,10 +114,15 @@ class Backend {
   virtual void measure(const Plan& plan, std::span<const Segment> segments, ElementSpan input, const float* residual,
                        uint64_t residual_first, const Measure& m) = 0;
 
-  // Seconds between now and a mark, once the queue has passed the later one: what the
-  // engine's time model needs (CUDA: events; CPU: the clock).
+  // Timing without waiting, for the time objective and the counters: mark() enqueues a
+  // timestamp and returns a handle (CUDA: an event from a pool); mark_ready() says
+  // whether the queue has passed it, wait_mark() waits until it has; seconds_between()
+  // needs both marks passed; release_mark() hands a mark back once it has been read.
   virtual uint64_t mark() = 0;
+  virtual bool mark_ready(uint64_t mark) = 0;
+  virtual void wait_mark(uint64_t mark) = 0;
   virtual double seconds_between(uint64_t first_mark, uint64_t second_mark) = 0;
+  virtual void release_mark(uint64_t mark) = 0;
 };
 
 }  // namespace lgreco::collective

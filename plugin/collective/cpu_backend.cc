@@ -84,7 +84,9 @@ void CpuBackend::encode(const Plan& plan, std::span<const Segment> segments, Ele
         const float x = load_as_float(data, input.dtype, i);
         const float v = residual ? x + residual[i] : x;
         store_from_float(dst, plan.dtype, i, v);
-        if (residual && quant::is_finite_value(v)) residual[i] = v - round_to_dtype(v, plan.dtype);
+        // As the none codec: a sum that overflows the element type keeps its residual.
+        const float sent = round_to_dtype(v, plan.dtype);
+        if (residual && quant::is_finite_value(sent)) residual[i] = v - sent;
       }
       continue;
     }
@@ -138,11 +140,6 @@ void CpuBackend::narrow(const float* acc, uint64_t n, ElementSpan out) {
 void CpuBackend::measure(const Plan&, std::span<const Segment> segments, ElementSpan input, const float* residual,
                          uint64_t residual_first, const Measure& m) {
   const size_t c = m.candidates.size();
-  for (const Segment& s : segments) {
-    if (!m.measured[s.layer]) continue;
-    std::fill(m.squared + s.layer * c, m.squared + (s.layer + 1) * c, 0.0);
-    m.nonfinite[s.layer] = 0;
-  }
   for (const Segment& s : segments) {
     if (!m.measured[s.layer]) continue;
     const float* r = residual ? residual + (s.offset - residual_first) : nullptr;

@@ -39,8 +39,12 @@ class CpuBackend final : public Backend {
   void measure(const Plan& plan, std::span<const Segment> segments, ElementSpan input, const float* residual,
                uint64_t residual_first, const Measure& m) override;
 
+  // Marks are the steady clock in nanoseconds: passed as soon as they exist.
   uint64_t mark() override;
+  bool mark_ready(uint64_t) override { return true; }
+  void wait_mark(uint64_t) override {}
   double seconds_between(uint64_t first_mark, uint64_t second_mark) override;
+  void release_mark(uint64_t) override {}
 
  private:
   // Codecs are created once per (spec, element type) and kept.

@@ -157,10 +157,28 @@ BucketLayout layout_from_registration(const config::RegisteredBucket& bucket, co
 // One measured call's candidate errors on their way to the host.
 struct Engine::Sample {
   uint32_t bucket = 0;
-  std::unique_ptr<Backend::Buffer> device;
-  std::vector<double> squared;    // layers x candidates
-  std::vector<uint8_t> nonfinite;  // layers
+  std::unique_ptr<Backend::Buffer> device;  // squared errors (layers x candidates), then flags
+  std::vector<double> squared;
+  std::vector<uint8_t> nonfinite;
   std::unique_ptr<Event> squared_ready, nonfinite_ready;
+  Backend::Measure measure;  // where the backend adds this call's errors
+};
+
+// The marks around one call's exchanges and codec operations, read when the queue has
+// passed them.
+struct Engine::CallTiming {
+  static constexpr int kMaxIntervals = 4;
+  uint64_t exchange[kMaxIntervals][2] = {}, codec[kMaxIntervals][2] = {};
+  int exchanges = 0, codecs = 0;
+  bool in_window = false;       // feeds the time objective's cost model
+  double quant_elements = 0;    // elements of quantized layers in the call
+  double encoded_bytes = 0;
+
+  void release(Backend& backend) const {
+    for (int i = 0; i < exchanges; ++i) backend.release_mark(exchange[i][0]), backend.release_mark(exchange[i][1]);
+    for (int i = 0; i < codecs; ++i) backend.release_mark(codec[i][0]), backend.release_mark(codec[i][1]);
+  }
+  uint64_t last_mark() const { return codecs ? codec[codecs - 1][1] : exchange[exchanges - 1][1]; }
 };
 
 struct Engine::BucketState {
@@ -173,8 +191,9 @@ struct Engine::BucketState {
   std::unique_ptr<Backend::Buffer> flags;           // one byte per layer: input not finite
   std::vector<CodecSpec> codecs;                    // per layer, under the current assignment
   Plan plan;   // the current algorithm's plan (P partitions for sra, 1 for all-gather)
-  Plan whole;  // whole layers, one partition: for measuring
+  Plan whole;  // whole layers, one partition
   Algorithm algorithm = Algorithm::kAllGather;
+  double quant_elements = 0;  // elements of layers whose codec quantizes
 };
 
 Engine::Engine(EngineOptions options, std::vector<BucketLayout> buckets, Fabric& fabric, Backend& backend)
@@ -216,10 +235,17 @@ Engine::Engine(EngineOptions options, std::vector<BucketLayout> buckets, Fabric&
     controller_ = std::make_unique<controller::Controller>(settings, std::move(layers));
     stats_.emplace(controller_->new_stats());
   }
+  // The agreement's records: allocated here, so that comparing configurations can never
+  // fail on one rank alone.
+  agreement_ = backend_.allocate(sizeof(AgreementRecord) * (fabric_.size() + 1));
 }
 
 Engine::~Engine() {
   if (controller_) controller_->stop();
+  try {
+    resolve_timings(true);
+  } catch (...) {
+  }
 }
 
 std::vector<float> Engine::residual_snapshot(uint32_t bucket) const {
@@ -247,6 +273,12 @@ uint8_t* Engine::scratch(int which, uint64_t bytes) {
 // Agreement
 
 std::string Engine::agree(uint64_t assignment, bool local_ok, const std::string& local_problem) {
+  if (!options_.valid && !warned_invalid_) {
+    warned_invalid_ = true;
+    LGRECO_WARN("ENGINE", "this rank's configuration is invalid, so no rank compresses: %s",
+                options_.invalid_reason.c_str());
+  }
+  if (!local_ok) LGRECO_WARN("ENGINE", "this rank cannot compress, so no rank does: %s", local_problem.c_str());
   AgreementRecord mine;
   mine.ranks = static_cast<uint32_t>(fabric_.size());
   mine.valid = options_.valid && local_ok ? 1 : 0;
@@ -255,14 +287,16 @@ std::string Engine::agree(uint64_t assignment, bool local_ok, const std::string&
   mine.assignment = assignment;
   const int n = fabric_.size();
   std::vector<AgreementRecord> all(n);
-  uint8_t* device = scratch(kStats, sizeof(AgreementRecord) * (n + 1));
+  auto* device = static_cast<uint8_t*>(agreement_->data());
   backend_.upload(device, &mine, sizeof mine);
   const std::vector<uint64_t> bytes(n, sizeof(AgreementRecord));
   fabric_.all_gather_v(device, bytes, device + sizeof(AgreementRecord));
   backend_.read_back(all.data(), device + sizeof(AgreementRecord), sizeof(AgreementRecord) * n)->wait();
 
-  // Every rank builds the same message from the same records.
+  // Every rank builds the same message from the same records. Assignments are compared
+  // among valid ranks only (an invalid rank has none).
   std::string invalid, parameters, layouts, assignments, foreign;
+  int first_valid = -1;
   auto add = [](std::string& list, int rank) { list += (list.empty() ? "" : ", ") + std::to_string(rank); };
   for (int r = 0; r < n; ++r) {
     const AgreementRecord& a = all[r];
@@ -270,10 +304,15 @@ std::string Engine::agree(uint64_t assignment, bool local_ok, const std::string&
       add(foreign, r);
       continue;
     }
-    if (!a.valid) add(invalid, r);
+    if (!a.valid) {
+      add(invalid, r);
+    } else if (first_valid < 0) {
+      first_valid = r;
+    } else if (a.assignment != all[first_valid].assignment) {
+      add(assignments, r);
+    }
     if (a.parameters != all[0].parameters) add(parameters, r);
     if (a.layouts != all[0].layouts) add(layouts, r);
-    if (a.assignment != all[0].assignment) add(assignments, r);
   }
   std::string why;
   auto clause = [&why](const std::string& ranks, const std::string& text) {
@@ -283,9 +322,8 @@ std::string Engine::agree(uint64_t assignment, bool local_ok, const std::string&
   clause(invalid, "an invalid configuration or a local failure (that rank's WARN says which)");
   clause(parameters, "LGRECO_* parameters that differ from rank 0's");
   clause(layouts, "bucket layouts (registration file) that differ from rank 0's");
-  clause(assignments, "an assignment that differs from rank 0's (a non-deterministic solve?)");
-  if (!local_ok && !local_problem.empty())
-    LGRECO_WARN("ENGINE", "this rank cannot compress: %s", local_problem.c_str());
+  clause(assignments, "an assignment that differs from rank " + std::to_string(first_valid) +
+                          "'s (a failed or non-deterministic solve?)");
   return why;
 }
 
@@ -299,12 +337,14 @@ void Engine::switch_to(std::shared_ptr<const controller::Assignment> assignment)
     BucketState& s = *state_of_[b];
     const BucketLayout& layout = buckets_[b];
     s.codecs.clear();
+    s.quant_elements = 0;
     for (size_t l = 0; l < layout.layers.size(); ++l) {
       const LayerLayout& layer = layout.layers[l];
       uint32_t choice = layer.default_index;
       if (s.controller_of[l] >= 0 && assignment && !assignment->choices.empty())
         choice = assignment->choices[s.controller_of[l]];
       s.codecs.push_back(layer.candidates[choice]);
+      if (s.codecs.back().family() == CodecFamily::kQuant) s.quant_elements += static_cast<double>(layer.numel);
     }
     s.whole = make_plan(layout, s.codecs, 1);
     s.algorithm = options_.algorithm;
@@ -316,6 +356,9 @@ void Engine::switch_to(std::shared_ptr<const controller::Assignment> assignment)
       send = std::max(send, s.plan.total_bytes);
       gathered = std::max(gathered, s.plan.total_bytes * n);
       acc = std::max(acc, layout.count * uint64_t{4});
+      // A later return to sra must not find a residual many steps old.
+      s.owner_residual.reset();
+      s.owner_begin = s.owner_end = 0;
     } else {
       s.plan = make_plan(layout, s.codecs, static_cast<uint32_t>(n));
       const Partition& mine = s.plan.partitions[fabric_.rank()];
@@ -355,95 +398,98 @@ CallOutcome Engine::pass(std::string why) {
   return CallOutcome{CallOutcome::Kind::kPassThrough, std::move(why)};
 }
 
+CallOutcome Engine::stop_compressing(std::string why, bool warn) {
+  state_ = State::kPassThrough;
+  pass_reason_ = why;
+  if (controller_) controller_->stop();
+  if (warn) LGRECO_WARN("ENGINE", "compression is off on this communicator (every rank passes through): %s", why.c_str());
+  else LGRECO_INFO("ENGINE", "every call passes through: %s", why.c_str());
+  return pass(std::move(why));
+}
+
+std::string Engine::check_call(const EngineCall& call) const {
+  if (call.bucket >= buckets_.size())
+    return "bucket " + std::to_string(call.bucket) + " of " + std::to_string(buckets_.size());
+  if (call.count != buckets_[call.bucket].count || call.dtype != buckets_[call.bucket].dtype)
+    return "a call of " + std::to_string(call.count) + " " + dtype_name(call.dtype) + " for bucket " +
+           std::to_string(call.bucket) + " of " + std::to_string(buckets_[call.bucket].count) + " " +
+           dtype_name(buckets_[call.bucket].dtype);
+  if (call.step < last_step_) return "step " + std::to_string(call.step) + " after step " + std::to_string(last_step_);
+  return "";
+}
+
 CallOutcome Engine::allreduce(const EngineCall& call) {
   ++counters_.calls;
   if (state_ == State::kBroken) {
     ++counters_.errors;
     return CallOutcome{CallOutcome::Kind::kError, "lgreco: an earlier compressed allreduce failed: " + broken_reason_};
   }
-  if (state_ == State::kPassThrough) return pass("compression is off on this communicator");
+  if (state_ == State::kPassThrough) return pass(pass_reason_);
   try {
+    if (state_ == State::kUnchecked) return first_call(call);
     return run(call);
   } catch (const std::exception& e) {
-    // Data may have been queued to peers: the exchange cannot be undone quietly.
+    // Data may have been queued to peers: the exchange cannot be undone quietly. Breaking
+    // the fabric makes the peers fail now rather than at their timeout.
     state_ = State::kBroken;
     broken_reason_ = e.what();
     ++counters_.errors;
+    fabric_.abort(e.what());
+    if (controller_) controller_->stop();
     LGRECO_WARN("ENGINE", "compressed allreduce of bucket %u at step %llu failed: %s; this communicator's later "
                 "calls fail too", call.bucket, static_cast<unsigned long long>(call.step), e.what());
     return CallOutcome{CallOutcome::Kind::kError, std::string("lgreco: compressed allreduce failed: ") + e.what()};
   }
 }
 
-CallOutcome Engine::run(const EngineCall& call) {
-  std::string bad;
-  if (call.bucket >= buckets_.size())
-    bad = "bucket " + std::to_string(call.bucket) + " of " + std::to_string(buckets_.size());
-  else if (call.count != buckets_[call.bucket].count || call.dtype != buckets_[call.bucket].dtype)
-    bad = "a call of " + std::to_string(call.count) + " " + dtype_name(call.dtype) + " for bucket " +
-          std::to_string(call.bucket) + " of " + std::to_string(buckets_[call.bucket].count) + " " +
-          dtype_name(buckets_[call.bucket].dtype);
-  else if (call.step < last_step_)
-    bad = "step " + std::to_string(call.step) + " after step " + std::to_string(last_step_);
-  if (!bad.empty())  // the caller's mistake, the same on every rank (calls are collective)
-    throw std::invalid_argument("engine: " + bad);
-
-  if (state_ == State::kUnchecked) {
-    // The first call: allocate for the default assignment, then compare configurations
-    // (the allocation's outcome included) before anything is sent.
-    std::string problem;
-    bool ok = true;
-    if (options_.mode != config::Mode::kOff && options_.valid) {
-      try {
-        switch_to(controller_ ? controller_->assignment_for_step(call.step) : nullptr);
-      } catch (const std::bad_alloc&) {
-        ok = false;
-        problem = "cannot allocate the residual and staging buffers";
-      }
+// The first call: check it and allocate for the default assignment, then compare
+// configurations (every local outcome included) before anything is sent.
+CallOutcome Engine::first_call(const EngineCall& call) {
+  std::string problem = check_call(call);
+  if (problem.empty() && options_.mode != config::Mode::kOff && options_.valid) {
+    try {
+      switch_to(controller_ ? controller_->assignment_for_step(call.step) : nullptr);
+    } catch (const std::bad_alloc&) {
+      problem = "cannot allocate the residual and staging buffers";
     }
-    const std::string why = agree(assignment_digest(assignment_.get()), ok, problem);
-    if (!why.empty()) {
-      state_ = State::kPassThrough;
-      if (controller_) controller_->stop();
-      LGRECO_WARN("ENGINE", "compression is off on this communicator (every rank passes through): %s", why.c_str());
-      return pass(why);
-    }
-    if (options_.mode == config::Mode::kOff) {  // on every rank: the parameters agreed
-      state_ = State::kPassThrough;
-      if (controller_) controller_->stop();
-      LGRECO_INFO("ENGINE", "LGRECO_MODE=off: every call passes through");
-      return pass("LGRECO_MODE=off");
-    }
-    state_ = State::kCompressing;
-    LGRECO_INFO("ENGINE", "compressing on %d ranks (%s fabric, %s backend), %zu buckets, %zu adaptive layers",
-                fabric_.size(), fabric_.name().c_str(), backend_.name().c_str(), buckets_.size(),
-                controller_names_.size());
   }
+  const std::string why = agree(assignment_digest(assignment_.get()), problem.empty(), problem);
+  if (!why.empty()) return stop_compressing(why, true);
+  if (options_.mode == config::Mode::kOff) return stop_compressing("LGRECO_MODE=off", false);
+  if (fabric_.size() == 1 && options_.algorithm == Algorithm::kAuto)
+    return stop_compressing("one rank: nothing to exchange, so nothing to compress", false);
+  state_ = State::kCompressing;
+  LGRECO_INFO("ENGINE", "compressing on %d ranks (%s fabric, %s backend), %zu buckets, %zu adaptive layers",
+              fabric_.size(), fabric_.name().c_str(), backend_.name().c_str(), buckets_.size(),
+              controller_names_.size());
+  return run(call);
+}
+
+CallOutcome Engine::run(const EngineCall& call) {
+  if (const std::string bad = check_call(call); !bad.empty())
+    throw std::invalid_argument("engine: " + bad);  // the caller's mistake on this rank
   last_step_ = call.step;
 
-  // A finished measurement window: aggregate and submit before this step's exchange.
+  resolve_timings(false);
   collect_samples(false);
+  // A finished measurement window: aggregate and submit before this step's exchange.
   if (window_end_ && call.step > *window_end_) submit_window();
 
   if (controller_) {
     std::shared_ptr<const controller::Assignment> next = controller_->assignment_for_step(call.step);
-    if (next != assignment_) {
-      bool ok = true;
+    // At every switch step the ranks compare what they are about to use, whether or not
+    // their solve succeeded: a rank whose solve failed keeps its assignment, and must not
+    // be the one rank that skips the comparison.
+    if (next != assignment_ || (switch_due_ && call.step >= *switch_due_)) {
+      switch_due_.reset();
       std::string problem;
       try {
-        switch_to(next);
+        if (next != assignment_) switch_to(next);
       } catch (const std::bad_alloc&) {
-        ok = false;
         problem = "cannot allocate the staging buffers of epoch " + std::to_string(next->epoch);
       }
-      const std::string why = agree(assignment_digest(next.get()), ok, problem);
-      if (!why.empty()) {
-        state_ = State::kPassThrough;
-        controller_->stop();
-        LGRECO_WARN("ENGINE", "compression is off on this communicator from step %llu (every rank passes through): %s",
-                    static_cast<unsigned long long>(call.step), why.c_str());
-        return pass(why);
-      }
+      const std::string why = agree(assignment_digest(next.get()), problem.empty(), problem);
+      if (!why.empty()) return stop_compressing("from step " + std::to_string(call.step) + ": " + why, true);
       LGRECO_INFO("ENGINE", "step %llu: assignment epoch %llu in effect", static_cast<unsigned long long>(call.step),
                   static_cast<unsigned long long>(next->epoch));
     }
@@ -454,28 +500,32 @@ CallOutcome Engine::run(const EngineCall& call) {
     if (b.residual) backend_.fill_zero(b.residual->data(), b.residual->bytes());
     if (b.owner_residual) backend_.fill_zero(b.owner_residual->data(), b.owner_residual->bytes());
   }
-  if (controller_ && controller_->schedule().measures(call.step)) measure(b, call);
+  const bool measuring = controller_ && controller_->schedule().measures(call.step);
+  Sample* sample = measuring ? begin_sample(b, call) : nullptr;
+  CallTiming timing;
+  timing.in_window = measuring;
+  timing.quant_elements = b.quant_elements;
+  timing.encoded_bytes = static_cast<double>(b.plan.total_bytes);
 
   if (b.algorithm == Algorithm::kAllGather)
-    all_gather(b, call);
+    all_gather(b, call, sample, timing);
   else
-    reduce_scatter_allgather(b, call);
+    reduce_scatter_allgather(b, call, sample, timing);
 
+  if (sample) finish_sample();
+  timings_.push_back(timing);
   ++counters_.compressed_calls;
   counters_.uncompressed_bytes += call.count * dtype_size(call.dtype);
   counters_.encoded_bytes += b.plan.total_bytes;
-  cost_.encoded_bytes += static_cast<double>(b.plan.total_bytes);
   return CallOutcome{};
 }
 
 // ---------------------------------------------------------------------------------------
-// Statistics
+// Statistics and timing
 
-void Engine::measure(BucketState& b, const EngineCall& call) {
+Engine::Sample* Engine::begin_sample(BucketState& b, const EngineCall& call) {
   const size_t layers = buckets_[call.bucket].layers.size();
   const size_t c = measured_candidates_.size();
-  // Results land in backend memory of their own and come back through a read-back that
-  // nobody waits for until the window ends (or the result is already there).
   // Sample buffers are recycled: a window allocates them once.
   std::unique_ptr<Sample> sample;
   if (!spare_samples_.empty()) {
@@ -491,17 +541,26 @@ void Engine::measure(BucketState& b, const EngineCall& call) {
   if (!sample->device || sample->device->bytes() < squared_bytes + layers)
     sample->device = backend_.allocate(squared_bytes + layers);
   auto* device = static_cast<uint8_t*>(sample->device->data());
-  Backend::Measure m{measured_candidates_, b.measured, reinterpret_cast<double*>(device), device + squared_bytes};
-  const float* residual = b.residual ? static_cast<const float*>(b.residual->data()) : nullptr;
-  backend_.measure(b.whole, b.whole.segments, ElementSpan{const_cast<void*>(call.send), call.dtype, 0}, residual, 0, m);
-  sample->squared_ready = backend_.read_back(sample->squared.data(), device, squared_bytes);
-  sample->nonfinite_ready = backend_.read_back(sample->nonfinite.data(), device + squared_bytes, layers);
+  backend_.fill_zero(device, squared_bytes + layers);
+  sample->measure = Backend::Measure{measured_candidates_, b.measured, reinterpret_cast<double*>(device),
+                                     device + squared_bytes};
   samples_.push_back(std::move(sample));
   if (!window_end_) {
     uint64_t end = call.step;
     while (!controller_->schedule().window_ends(end)) ++end;
     window_end_ = end;
   }
+  return samples_.back().get();
+}
+
+// The sample's errors come back through read-backs that nobody waits for until the
+// window ends (or they are already there).
+void Engine::finish_sample() {
+  Sample& s = *samples_.back();
+  auto* device = static_cast<uint8_t*>(s.device->data());
+  const uint64_t squared_bytes = s.squared.size() * sizeof(double);
+  s.squared_ready = backend_.read_back(s.squared.data(), device, squared_bytes);
+  s.nonfinite_ready = backend_.read_back(s.nonfinite.data(), device + squared_bytes, s.nonfinite.size());
 }
 
 void Engine::collect_samples(bool wait) {
@@ -524,56 +583,82 @@ void Engine::collect_samples(bool wait) {
   }
 }
 
+void Engine::resolve_timings(bool wait) {
+  while (!timings_.empty()) {
+    const CallTiming& t = timings_.front();
+    if (wait) backend_.wait_mark(t.last_mark());
+    else if (!backend_.mark_ready(t.last_mark())) return;
+    double exchange_s = 0, codec_s = 0;
+    for (int i = 0; i < t.exchanges; ++i) exchange_s += backend_.seconds_between(t.exchange[i][0], t.exchange[i][1]);
+    for (int i = 0; i < t.codecs; ++i) codec_s += backend_.seconds_between(t.codec[i][0], t.codec[i][1]);
+    counters_.exchange_seconds += exchange_s;
+    counters_.codec_seconds += codec_s;
+    if (t.in_window && window_.call_exchange_seconds.size() < kMaxTimedCalls) {
+      window_.call_exchange_seconds.push_back(exchange_s);
+      window_.encoded_bytes += t.encoded_bytes;
+      window_.codec_seconds += codec_s;
+      window_.quant_elements += t.quant_elements;
+    }
+    t.release(backend_);
+    timings_.pop_front();
+  }
+}
+
 void Engine::submit_window() {
   const uint64_t window_last = *window_end_;
   window_end_.reset();
   collect_samples(true);
-  // The statistics and the cost measurements, summed across ranks in one reduction.
-  // Each rank's exchange time goes to its own slot, so that every rank can take the
-  // smallest: a rank's exchange also waits for slower peers' encoding, and the rank that
-  // arrives last waits least, so its time is the closest to what the link costs.
+  resolve_timings(true);
+  // The statistics and the cost measurements, summed across ranks in one reduction. Each
+  // rank's exchange time of each timed call goes to its own slot, so that every rank can
+  // take, call by call, the smallest: a rank's exchange also waits for slower peers'
+  // encoding, and the rank that arrives last waits least, so its time is the closest to
+  // what the link costs. Every rank timed the same calls.
   const int n = fabric_.size();
+  const size_t calls = window_.call_exchange_seconds.size();
   std::span<double> local = stats_->reduction_buffer();
   std::vector<double> all(local.begin(), local.end());
   const size_t cost_at = all.size();
-  all.resize(cost_at + 3 + n, 0.0);
-  all[cost_at] = cost_.encoded_bytes;
-  all[cost_at + 1] = cost_.codec_seconds;
-  all[cost_at + 2] = cost_.codec_elements;
-  all[cost_at + 3 + fabric_.rank()] = cost_.exchange_seconds;
-  cost_ = WindowCost{};
+  all.resize(cost_at + 2 + n * calls, 0.0);
+  all[cost_at] = window_.codec_seconds;
+  all[cost_at + 1] = window_.quant_elements;
+  std::copy(window_.call_exchange_seconds.begin(), window_.call_exchange_seconds.end(),
+            all.begin() + cost_at + 2 + fabric_.rank() * calls);
+  const double encoded = window_.encoded_bytes;  // the same on every rank
+  window_ = WindowCost{};
   auto* device = reinterpret_cast<double*>(scratch(kStats, all.size() * sizeof(double)));
   backend_.upload(device, all.data(), all.size() * sizeof(double));
   fabric_.all_reduce_sum(std::span<double>(device, all.size()));
   backend_.read_back(all.data(), device, all.size() * sizeof(double))->wait();
   std::copy(all.begin(), all.begin() + local.size(), local.begin());
 
+  double exchange_s = 0;
+  for (size_t k = 0; k < calls; ++k) {
+    double least = all[cost_at + 2 + k];
+    for (int r = 1; r < n; ++r) least = std::min(least, all[cost_at + 2 + r * calls + k]);
+    exchange_s += least;
+  }
+  const double codec_s = all[cost_at], quant_elements = all[cost_at + 1];
+  // A window without quantized layers cannot time the codec: keep the last measurement
+  // (the same on every rank), or the next solve would take copy speed for codec speed.
+  if (codec_s > 0 && quant_elements > 0) quant_throughput_ = quant_elements / codec_s;
   std::optional<controller::CostModel> model;
-  const double encoded = all[cost_at] / n, codec_s = all[cost_at + 1], elements = all[cost_at + 2];
-  const double exchange_s = *std::min_element(all.begin() + cost_at + 3, all.end());
   if (exchange_s > 0 && encoded > 0) {
     model.emplace();
     model->link.bandwidth = encoded / exchange_s;
-    if (codec_s > 0 && elements > 0) model->families["quant"].throughput = elements / codec_s;
+    if (quant_throughput_ > 0) model->families["quant"].throughput = quant_throughput_;
     LGRECO_INFO("ENGINE", "window ending at step %llu: exchanges moved %.4g encoded bytes/s, the codec %.4g elements/s",
-                static_cast<unsigned long long>(window_last), model->link.bandwidth,
-                codec_s > 0 ? elements / codec_s : 0.0);
+                static_cast<unsigned long long>(window_last), model->link.bandwidth, quant_throughput_);
   }
   controller_->submit(window_last, std::move(*stats_), model);
   stats_.emplace(controller_->new_stats());
-}
-
-void Engine::timed_exchange_begin() { mark_ = backend_.mark(); }
-void Engine::timed_exchange_end() {
-  const double s = backend_.seconds_between(mark_, backend_.mark());
-  counters_.exchange_seconds += s;
-  cost_.exchange_seconds += s;
+  switch_due_ = controller_->schedule().effective_step(window_last);
 }
 
 // ---------------------------------------------------------------------------------------
 // The algorithms
 
-void Engine::all_gather(BucketState& b, const EngineCall& call) {
+void Engine::all_gather(BucketState& b, const EngineCall& call, Sample* sample, CallTiming& timing) {
   const Plan& plan = b.plan;
   const int n = fabric_.size();
   const ElementSpan input{const_cast<void*>(call.send), call.dtype, 0};
@@ -584,31 +669,31 @@ void Engine::all_gather(BucketState& b, const EngineCall& call) {
   auto* acc = reinterpret_cast<float*>(scratch(kAcc, call.count * 4));
   const NoiseBase noise{options_.seed, static_cast<uint32_t>(fabric_.rank()), call.step, b.layer_base};
 
-  uint64_t t0 = backend_.mark();
+  // Every rank's quantization error reaches the output: the candidates are measured on
+  // exactly what this rank encodes.
+  if (sample) backend_.measure(plan, plan.segments, input, residual, 0, sample->measure);
+  timing.codec[timing.codecs][0] = backend_.mark();
   if (flags) backend_.find_nonfinite(plan, plan.segments, input, flags);
   backend_.encode(plan, plan.segments, input, residual, 0, flags, noise, send, 0);
-  double codec_s = backend_.seconds_between(t0, backend_.mark());
+  timing.codec[timing.codecs++][1] = backend_.mark();
 
   const uint64_t sent_before = fabric_.counters().bytes_sent;
-  timed_exchange_begin();
+  timing.exchange[timing.exchanges][0] = backend_.mark();
   fabric_.all_gather_v(send, std::vector<uint64_t>(n, plan.total_bytes), gathered);
-  timed_exchange_end();
+  timing.exchange[timing.exchanges++][1] = backend_.mark();
   counters_.wire_bytes_sent += fabric_.counters().bytes_sent - sent_before;
 
-  t0 = backend_.mark();
+  timing.codec[timing.codecs][0] = backend_.mark();
   backend_.fill_zero(acc, call.count * 4);
   const ElementSpan sum{acc, DType::kFloat32, 0};
   for (int p = 0; p < n; ++p)  // rank order: every rank adds the same values in the same order
     backend_.decode_accumulate(plan, plan.segments, gathered, p * plan.total_bytes, sum);
   if (call.op == ReduceOp::kAvg) backend_.divide(acc, call.count, static_cast<float>(n));
   backend_.narrow(acc, call.count, ElementSpan{call.recv, call.dtype, 0});
-  codec_s += backend_.seconds_between(t0, backend_.mark());
-  counters_.codec_seconds += codec_s;
-  cost_.codec_seconds += codec_s;
-  cost_.codec_elements += static_cast<double>(call.count);
+  timing.codec[timing.codecs++][1] = backend_.mark();
 }
 
-void Engine::reduce_scatter_allgather(BucketState& b, const EngineCall& call) {
+void Engine::reduce_scatter_allgather(BucketState& b, const EngineCall& call, Sample* sample, CallTiming& timing) {
   const Plan& plan = b.plan;
   const int n = fabric_.size(), me = fabric_.rank();
   const Partition& mine = plan.partitions[me];
@@ -632,22 +717,29 @@ void Engine::reduce_scatter_allgather(BucketState& b, const EngineCall& call) {
   uint8_t* reencoded = scratch(kReencoded, mine.bytes);
   uint8_t* gathered = scratch(kGathered, plan.total_bytes);
 
-  uint64_t t0 = backend_.mark();
+  // The output's error is this stage's error on every partition a rank sends plus the
+  // owners' re-encoding error: the candidates are measured on both, so that the
+  // controller's budget covers both quantizations (segments are whole buckets of every
+  // candidate: plan.h, layer_granule).
+  if (sample)
+    for (int q = 0; q < n; ++q)
+      if (q != me) backend_.measure(plan, plan.segments_of(plan.partitions[q]), input, residual, 0, sample->measure);
+  timing.codec[timing.codecs][0] = backend_.mark();
   if (flags) backend_.find_nonfinite(plan, plan.segments, input, flags);
   const NoiseBase noise{options_.seed, static_cast<uint32_t>(me), call.step, b.layer_base};
   for (int q = 0; q < n; ++q)
     if (q != me)
       backend_.encode(plan, plan.segments_of(plan.partitions[q]), input, residual, 0, flags, noise, send,
                       send_offset[q]);
-  double codec_s = backend_.seconds_between(t0, backend_.mark());
+  timing.codec[timing.codecs++][1] = backend_.mark();
 
   const uint64_t sent_before = fabric_.counters().bytes_sent;
-  timed_exchange_begin();
+  timing.exchange[timing.exchanges][0] = backend_.mark();
   fabric_.all_to_all_v(send, send_bytes, recv, recv_bytes);
-  timed_exchange_end();
+  timing.exchange[timing.exchanges++][1] = backend_.mark();
 
   // The owner's sum, in rank order; its own contribution exact (it never travels).
-  t0 = backend_.mark();
+  timing.codec[timing.codecs][0] = backend_.mark();
   const auto own = plan.segments_of(mine);
   const ElementSpan sum{acc, DType::kFloat32, mine.begin};
   backend_.fill_zero(acc, mine.count() * 4);
@@ -661,28 +753,28 @@ void Engine::reduce_scatter_allgather(BucketState& b, const EngineCall& call) {
     }
   }
   if (call.op == ReduceOp::kAvg) backend_.divide(acc, mine.count(), static_cast<float>(n));
-  // Stage 2: re-encode the sum with the owner's residual (its own noise stream).
   float* owner_residual = b.owner_residual ? static_cast<float*>(b.owner_residual->data()) : nullptr;
+  timing.codec[timing.codecs++][1] = backend_.mark();
+  if (sample) backend_.measure(plan, own, sum, owner_residual, mine.begin, sample->measure);
+  // Stage 2: re-encode the sum with the owner's residual (its own noise stream).
+  timing.codec[timing.codecs][0] = backend_.mark();
   NoiseBase reencode = noise;
   reencode.rank = NoiseBase::kReencodeRankBit | static_cast<uint32_t>(me);
   backend_.encode(plan, own, sum, owner_residual, mine.begin, nullptr, reencode, reencoded, 0);
-  codec_s += backend_.seconds_between(t0, backend_.mark());
+  timing.codec[timing.codecs++][1] = backend_.mark();
 
-  timed_exchange_begin();
+  timing.exchange[timing.exchanges][0] = backend_.mark();
   fabric_.all_gather_v(reencoded, plan.partition_bytes(), gathered);
-  timed_exchange_end();
+  timing.exchange[timing.exchanges++][1] = backend_.mark();
   counters_.wire_bytes_sent += fabric_.counters().bytes_sent - sent_before;
 
-  t0 = backend_.mark();
+  timing.codec[timing.codecs][0] = backend_.mark();
   uint64_t offset = 0;
   for (const Partition& p : plan.partitions) {
     backend_.decode(plan, plan.segments_of(p), gathered, offset, ElementSpan{call.recv, call.dtype, 0});
     offset += p.bytes;
   }
-  codec_s += backend_.seconds_between(t0, backend_.mark());
-  counters_.codec_seconds += codec_s;
-  cost_.codec_seconds += codec_s;
-  cost_.codec_elements += static_cast<double>(call.count);
+  timing.codec[timing.codecs++][1] = backend_.mark();
 }
 
 }  // namespace lgreco::collective

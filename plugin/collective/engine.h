@@ -109,8 +109,10 @@ struct EngineCounters {
   uint64_t uncompressed_bytes = 0;  // count x element size of compressed calls
   uint64_t encoded_bytes = 0;       // one encoding of those calls (what the controller minimises)
   uint64_t wire_bytes_sent = 0;     // bytes this rank sent to peers for them
-  double exchange_seconds = 0;      // in fabric operations
-  double codec_seconds = 0;         // in encode and decode operations
+  // Time in fabric operations and in encode/decode operations, read from the backend's
+  // marks once the queue has passed them (a CUDA backend's lag a few calls behind).
+  double exchange_seconds = 0;
+  double codec_seconds = 0;
 };
 
 class Engine {
@@ -148,34 +150,42 @@ class Engine {
   enum class State : uint8_t { kUnchecked, kCompressing, kPassThrough, kBroken };
   struct BucketState;
   struct Sample;
+  struct CallTiming;
+  // Calls of a window whose exchange times are compared across ranks (more are not timed).
+  static constexpr size_t kMaxTimedCalls = 64;
 
+  CallOutcome first_call(const EngineCall& call);
   CallOutcome run(const EngineCall& call);
+  std::string check_call(const EngineCall& call) const;  // "" or what is wrong
   CallOutcome pass(std::string why);
-  // Compares the ranks' configurations and, with assignment, the assignment of the
-  // coming epoch; all ranks get the same answer. Returns "" or what differs.
+  CallOutcome stop_compressing(std::string why, bool warn);
+  // Compares the ranks' configurations and the assignment about to take effect; every
+  // rank gets the same answer. Returns "" or what differs.
   std::string agree(uint64_t assignment_digest, bool local_ok, const std::string& local_problem);
   void switch_to(std::shared_ptr<const controller::Assignment> assignment);  // plans, buffers
-  void measure(BucketState& b, const EngineCall& call);
+  Sample* begin_sample(BucketState& b, const EngineCall& call);
+  void finish_sample();
   void collect_samples(bool wait);  // measured errors that reached the host, into stats_
+  void resolve_timings(bool wait);  // marks the queue has passed, into counters and window_
   void submit_window();
-  void reduce_scatter_allgather(BucketState& b, const EngineCall& call);
-  void all_gather(BucketState& b, const EngineCall& call);
+  void reduce_scatter_allgather(BucketState& b, const EngineCall& call, Sample* sample, CallTiming& timing);
+  void all_gather(BucketState& b, const EngineCall& call, Sample* sample, CallTiming& timing);
   uint8_t* scratch(int which, uint64_t bytes);
-  void timed_exchange_begin();
-  void timed_exchange_end();
 
   EngineOptions options_;
   std::vector<BucketLayout> buckets_;
   Fabric& fabric_;
   Backend& backend_;
   State state_ = State::kUnchecked;
-  std::string broken_reason_;
+  std::string broken_reason_, pass_reason_;
+  bool warned_invalid_ = false;
 
   std::vector<std::unique_ptr<BucketState>> state_of_;
   std::vector<CodecSpec> measured_candidates_;  // the candidate list of adaptive layers
   std::vector<std::string> controller_names_;
   std::unique_ptr<controller::Controller> controller_;
   std::shared_ptr<const controller::Assignment> assignment_;
+  std::optional<uint64_t> switch_due_;  // a submitted window's assignment is due at this step
   uint64_t last_step_ = 0;
 
   // Statistics of the current window.
@@ -183,12 +193,15 @@ class Engine {
   std::optional<uint64_t> window_end_;  // the window being measured ends at this step
   std::deque<std::unique_ptr<Sample>> samples_;  // measured, not yet in stats_
   std::vector<std::unique_ptr<Sample>> spare_samples_;
+  std::deque<CallTiming> timings_;  // calls whose marks have not been read
   struct WindowCost {
-    double exchange_seconds = 0, encoded_bytes = 0, codec_seconds = 0, codec_elements = 0;
-  } cost_;
+    std::vector<double> call_exchange_seconds;  // per timed call of the window
+    double encoded_bytes = 0, codec_seconds = 0, quant_elements = 0;
+  } window_;
+  double quant_throughput_ = 0;  // elements/s of the quantization codec, last measured
 
+  std::unique_ptr<Backend::Buffer> agreement_;
   std::vector<std::unique_ptr<Backend::Buffer>> scratch_;
-  uint64_t mark_ = 0;
   EngineCounters counters_;
 };
 

@@ -69,6 +69,12 @@ class Fabric {
   virtual void all_reduce_sum(std::span<double> data) = 0;
 
   virtual FabricCounters counters() const = 0;
+
+  // Breaks the fabric on purpose: this rank failed in the middle of a collective and will
+  // not come to the next operation. Peers waiting for it fail at once (a closed
+  // connection, a broken hub; NCCL: ncclCommAbort) instead of waiting out the timeout,
+  // and every later call here throws. Never throws; idempotent.
+  virtual void abort(const std::string& why) = 0;
 };
 
 }  // namespace lgreco::collective

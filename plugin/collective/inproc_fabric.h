@@ -69,6 +69,7 @@ class InProcFabric final : public Fabric {
   void all_reduce_sum(std::span<float> data) override;
   void all_reduce_sum(std::span<double> data) override;
   FabricCounters counters() const override { return counters_; }
+  void abort(const std::string& why) override { hub_->abort("rank " + std::to_string(rank_) + " aborted: " + why); }
 
  private:
   // Posts, meets, checks every rank's post against the op; returns after meeting 1.

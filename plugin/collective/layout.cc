@@ -3,6 +3,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "kernels/noise.h"
+
 namespace lgreco::collective {
 
 void validate(const BucketLayout& bucket, size_t bucket_index) {
@@ -15,6 +17,9 @@ void validate(const BucketLayout& bucket, size_t bucket_index) {
       throw std::invalid_argument(at + ": offset " + std::to_string(layer.offset) + ", expected " +
                                   std::to_string(next) + " (layers must be contiguous, in order)");
     if (layer.numel == 0) throw std::invalid_argument(at + ": no elements");
+    if (layer.numel > kMaxLayerElements)  // the rounding noise counts elements in 34 bits
+      throw std::invalid_argument(at + ": " + std::to_string(layer.numel) + " elements; at most " +
+                                  std::to_string(kMaxLayerElements) + " per layer");
     if (layer.candidates.empty() || layer.default_index >= layer.candidates.size())
       throw std::invalid_argument(at + ": no codec, or the default is not among its candidates");
     next = layer.offset + layer.numel;

@@ -1,6 +1,7 @@
 #include "plugin/collective/plan.h"
 
 #include <algorithm>
+#include <numeric>
 #include <stdexcept>
 #include <string>
 
@@ -10,6 +11,12 @@ namespace lgreco::collective {
 
 uint64_t split_granule(const CodecSpec& spec) {
   return spec.family() == CodecFamily::kQuant ? spec.quant_params().bucket : 1024;
+}
+
+uint64_t layer_granule(const LayerLayout& layer, const CodecSpec& assigned) {
+  uint64_t granule = split_granule(assigned);
+  for (const CodecSpec& c : layer.candidates) granule = std::lcm(granule, split_granule(c));
+  return granule;
 }
 
 uint64_t encoded_bytes(const CodecSpec& spec, DType dtype, uint64_t count) {
@@ -43,7 +50,7 @@ std::vector<uint64_t> partition_boundaries(const BucketLayout& bucket, std::span
     while (layer < bucket.layers.size() && before + layer_bytes[layer] <= target) before += layer_bytes[layer++];
     if (layer == bucket.layers.size()) break;  // the rest stay at count
     const LayerLayout& l = bucket.layers[layer];
-    const uint64_t granule = split_granule(codecs[layer]);
+    const uint64_t granule = layer_granule(l, codecs[layer]);
     const uint64_t granule_bytes = encoded_bytes(codecs[layer], bucket.dtype, granule);
     const uint64_t granules = (l.numel + granule - 1) / granule;
     // Whole granules before the split point, rounded to the nearest.

@@ -66,6 +66,10 @@ struct Plan {
 // first element): the codec's bucket for quantization, 1024 for `none` (keeps payloads
 // aligned and segments from being tiny).
 uint64_t split_granule(const CodecSpec& spec);
+// The granule of a layer: the least common multiple of its assigned codec's and every
+// candidate's, so that a segment is whole buckets of every candidate too and the engine
+// can measure candidates on the segments it owns.
+uint64_t layer_granule(const LayerLayout& layer, const CodecSpec& assigned);
 
 // Encoded bytes of `count` elements of `dtype` under `spec`.
 uint64_t encoded_bytes(const CodecSpec& spec, DType dtype, uint64_t count);

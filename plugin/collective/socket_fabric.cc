@@ -678,6 +678,18 @@ void SocketFabric::fail(const char* op, const std::string& detail) {
   throw FabricError(message);
 }
 
+void SocketFabric::abort(const std::string& why) {
+  std::vector<Peer> closing;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!broken_reason_.empty()) return;
+    broken_reason_ = "socket fabric, rank " + std::to_string(rank_) + ": aborted: " + why;
+    final_traffic_ = traffic_locked();
+    closing.swap(peers_);
+  }
+  closing.clear();  // closed connections make the peers fail at once
+}
+
 std::vector<PeerTraffic> SocketFabric::traffic_locked() const {
   std::vector<PeerTraffic> traffic;
   for (int q = 0; q < static_cast<int>(peers_.size()); ++q) {

@@ -84,6 +84,7 @@ class SocketFabric final : public Fabric {
   void all_reduce_sum(std::span<double> data) override;
 
   FabricCounters counters() const override;
+  void abort(const std::string& why) override;
 
   // The communicator id rank 0 drew (the same on every rank).
   uint64_t comm_id() const { return comm_id_; }

@@ -77,7 +77,7 @@ Bytes encode_with(const CodecSpec& spec, DType dtype, const NoiseKey& key, const
 }
 
 Bytes reference(const BucketLayout& b, const std::vector<Bytes>& inputs, Algorithm algorithm, uint64_t step,
-                ReduceOp op, uint64_t seed) {
+                ReduceOp op, uint64_t seed, uint32_t layer_base = 0) {
   const int n = static_cast<int>(inputs.size());
   const DType dtype = b.dtype;
   const size_t es = dtype_size(dtype);
@@ -89,7 +89,7 @@ Bytes reference(const BucketLayout& b, const std::vector<Bytes>& inputs, Algorit
     for (int r = 0; r < n; ++r)
       for (size_t l = 0; l < b.layers.size(); ++l) {
         const LayerLayout& layer = b.layers[l];
-        const NoiseKey key{seed, static_cast<uint32_t>(r), step, static_cast<uint32_t>(l)};
+        const NoiseKey key{seed, static_cast<uint32_t>(r), step, layer_base + static_cast<uint32_t>(l)};
         const Bytes enc = encode_with(codecs[l], dtype, key, inputs[r].data() + layer.offset * es, layer.numel, 0);
         Codec::create(codecs[l], dtype)->decode_accumulate(enc, layer.numel, acc.data() + layer.offset);
       }
@@ -108,7 +108,7 @@ Bytes reference(const BucketLayout& b, const std::vector<Bytes>& inputs, Algorit
           for (uint64_t i = 0; i < s.count; ++i) acc[i] += load_as_float(x, dtype, i);
           continue;
         }
-        const NoiseKey key{seed, static_cast<uint32_t>(r), step, s.layer};
+        const NoiseKey key{seed, static_cast<uint32_t>(r), step, layer_base + s.layer};
         const Bytes enc = encode_with(spec, dtype, key, x, s.count, s.first_element);
         Codec::create(spec, dtype)->decode_accumulate(enc, s.count, acc.data());
       }
@@ -118,7 +118,7 @@ Bytes reference(const BucketLayout& b, const std::vector<Bytes>& inputs, Algorit
         for (uint64_t i = 0; i < s.count; ++i) store_from_float(out.data(), dtype, s.offset + i, acc[i]);
         continue;
       }
-      const NoiseKey key{seed, NoiseBase::kReencodeRankBit | static_cast<uint32_t>(owner), step, s.layer};
+      const NoiseKey key{seed, NoiseBase::kReencodeRankBit | static_cast<uint32_t>(owner), step, layer_base + s.layer};
       const Bytes enc = encode_with(spec, DType::kFloat32, key, acc.data(), s.count, s.first_element);
       Codec::create(spec, DType::kFloat32)->decode(enc, s.count, dtype, out.data() + s.offset * es);
     }
@@ -202,37 +202,45 @@ BOOST_AUTO_TEST_CASE(matches_the_reference_byte_for_byte) {
     for (int ranks : {1, 2, 3, 4, 8})
       for (Algorithm algorithm : {Algorithm::kScatterReduceAllGather, Algorithm::kAllGather})
         for (int trial = 0; trial < 3; ++trial) {
-          const DType dtype = static_cast<DType>(rng() % 3);
-          std::vector<uint64_t> sizes(1 + rng() % 5);
-          std::vector<CodecSpec> codecs;
-          for (auto& s : sizes) {
-            s = 1 + rng() % (rng() % 3 ? 20000 : 300);
-            const int kind = static_cast<int>(rng() % 5);
-            codecs.push_back(kind == 0   ? CodecSpec::none()
-                             : kind == 1 ? quant(1 + rng() % 8, 32 * (1 + rng() % 40), Rounding::kNearest)
-                                         : quant(1 + rng() % 8, 32 * (1 + rng() % 40)));
-          }
+          const DType dtype = static_cast<DType>(trial);  // every type for every rank count and algorithm
+          // Two buckets per step: the second one's layers continue the noise keys.
           Job job;
           job.ranks = ranks;
-          job.buckets = {fixed_layout(sizes, codecs, dtype)};
+          for (int bucket = 0; bucket < 2; ++bucket) {
+            std::vector<uint64_t> sizes(1 + rng() % 5);
+            std::vector<CodecSpec> codecs;
+            for (auto& s : sizes) {
+              s = 1 + rng() % (rng() % 3 ? 20000 : 300);
+              const int kind = static_cast<int>(rng() % 5);
+              codecs.push_back(kind == 0   ? CodecSpec::none()
+                               : kind == 1 ? quant(1 + rng() % 8, 32 * (1 + rng() % 40), Rounding::kNearest)
+                                           : quant(1 + rng() % 8, 32 * (1 + rng() % 40)));
+            }
+            job.buckets.push_back(fixed_layout(sizes, codecs, dtype));
+          }
           job.options = [&](int) { return fixed_options(algorithm, false); };
-          job.input = random_inputs(job.buckets, seed + cases, test::kAllDists[trial % 5]);
+          job.input = random_inputs(job.buckets, seed + cases, test::kAllDists[(cases + trial) % 5]);
           job.steps = 2;
           job.op = rng() % 2 ? ReduceOp::kAvg : ReduceOp::kSum;
           job.in_place = rng() % 2;
           const auto results = run_job(job);
-          for (uint64_t step = 0; step < job.steps; ++step) {
-            std::vector<Bytes> inputs;
-            for (int r = 0; r < ranks; ++r) inputs.push_back(job.input(r, step, 0));
-            const Bytes expected = reference(job.buckets[0], inputs, algorithm, step, job.op, EngineOptions{}.seed);
-            for (int r = 0; r < ranks; ++r)
-              BOOST_TEST_CONTEXT("ranks " << ranks << " " << algorithm_name(algorithm) << " " << dtype_name(dtype)
-                                          << " count " << job.buckets[0].count << " step " << step << " rank " << r) {
-                BOOST_TEST_REQUIRE(results[r].outcomes[step].message == "");
-                BOOST_TEST((results[r].outcomes[step].kind == CallOutcome::Kind::kDone));
-                BOOST_TEST((results[r].outputs[step] == expected));
-              }
-          }
+          for (uint64_t step = 0; step < job.steps; ++step)
+            for (uint32_t b = 0; b < 2; ++b) {
+              std::vector<Bytes> inputs;
+              for (int r = 0; r < ranks; ++r) inputs.push_back(job.input(r, step, b));
+              const uint32_t layer_base = b == 0 ? 0 : static_cast<uint32_t>(job.buckets[0].layers.size());
+              const Bytes expected =
+                  reference(job.buckets[b], inputs, algorithm, step, job.op, EngineOptions{}.seed, layer_base);
+              const size_t call = step * 2 + b;
+              for (int r = 0; r < ranks; ++r)
+                BOOST_TEST_CONTEXT("ranks " << ranks << " " << algorithm_name(algorithm) << " " << dtype_name(dtype)
+                                            << " bucket " << b << " count " << job.buckets[b].count << " step "
+                                            << step << " rank " << r << (job.in_place ? " in place" : "")) {
+                  BOOST_TEST_REQUIRE(results[r].outcomes[call].message == "");
+                  BOOST_TEST((results[r].outcomes[call].kind == CallOutcome::Kind::kDone));
+                  BOOST_TEST((results[r].outputs[call] == expected));
+                }
+            }
           ++cases;
         }
   }
@@ -245,6 +253,7 @@ BOOST_AUTO_TEST_CASE(auto_algorithm_and_tiny_calls) {
                                         std::tuple{4, 1u << 20, Algorithm::kScatterReduceAllGather}}) {
     auto hub = std::make_shared<InProcHub>(ranks, 10000ms);
     std::vector<Algorithm> seen(ranks);
+    std::vector<CallOutcome> outcomes(ranks);
     std::vector<std::thread> threads;
     for (int r = 0; r < ranks; ++r)
       threads.emplace_back([&, r] {
@@ -253,25 +262,57 @@ BOOST_AUTO_TEST_CASE(auto_algorithm_and_tiny_calls) {
         Engine engine(fixed_options(Algorithm::kAuto, true), {fixed_layout({count}, {quant(4)}, DType::kFloat32)},
                       fabric, backend);
         std::vector<float> x(count, 1.0f + r);
-        engine.allreduce({0, 0, x.data(), x.data(), count, DType::kFloat32, ReduceOp::kSum, false});
+        outcomes[r] = engine.allreduce({0, 0, x.data(), x.data(), count, DType::kFloat32, ReduceOp::kSum, false});
         seen[r] = engine.algorithm(0);
       });
     for (auto& t : threads) t.join();
-    for (Algorithm a : seen) BOOST_TEST(algorithm_name(a) == algorithm_name(expected));
-  }
-  // Counts of 1 and a bucket of one 1-element layer per rank count.
-  for (int ranks : {3, 8}) {
-    Job job;
-    job.ranks = ranks;
-    job.buckets = {fixed_layout({1}, {quant(4)}, DType::kFloat16)};
-    job.options = [](int) { return fixed_options(Algorithm::kScatterReduceAllGather, true); };
-    job.input = random_inputs(job.buckets, test::run_seed());
-    const auto results = run_job(job);
-    for (const auto& r : results) {
-      BOOST_TEST((r.outcomes[0].kind == CallOutcome::Kind::kDone));
-      BOOST_TEST((r.outputs[0] == results[0].outputs[0]));
+    for (int r = 0; r < ranks; ++r) {
+      BOOST_TEST((outcomes[r].kind == CallOutcome::Kind::kDone), outcomes[r].message);
+      BOOST_TEST(algorithm_name(seen[r]) == algorithm_name(expected));
     }
   }
+  // Counts of 1 and of 0 (a bucket of nothing), on many ranks.
+  for (int ranks : {3, 8})
+    for (uint64_t count : {1u, 0u}) {
+      Job job;
+      job.ranks = ranks;
+      job.buckets = {count ? fixed_layout({count}, {quant(4)}, DType::kFloat16) : BucketLayout{0, DType::kFloat16, {}}};
+      job.options = [](int) { return fixed_options(Algorithm::kScatterReduceAllGather, true); };
+      job.input = random_inputs(job.buckets, test::run_seed());
+      const auto results = run_job(job);
+      for (const auto& r : results) {
+        BOOST_TEST((r.outcomes[0].kind == CallOutcome::Kind::kDone), r.outcomes[0].message);
+        BOOST_TEST((r.outputs[0] == results[0].outputs[0]));
+      }
+    }
+}
+
+// One rank has nothing to exchange: auto passes through (a copy is exact); a forced
+// algorithm still runs, for tests. LGRECO_MODE=off on every rank passes through quietly.
+BOOST_AUTO_TEST_CASE(one_rank_and_mode_off_pass_through) {
+  Job job;
+  job.ranks = 1;
+  job.buckets = {fixed_layout({5000}, {quant(4)}, DType::kFloat32)};
+  job.options = [](int) { return fixed_options(Algorithm::kAuto, true); };
+  job.input = random_inputs(job.buckets, test::run_seed());
+  job.steps = 2;
+  auto results = run_job(job);
+  for (const CallOutcome& o : results[0].outcomes) {
+    BOOST_TEST((o.kind == CallOutcome::Kind::kPassThrough));
+    BOOST_TEST(test::contains(o.message, "one rank"), o.message);
+  }
+  job.ranks = 3;
+  job.options = [](int) {
+    EngineOptions o = fixed_options(Algorithm::kAuto, true);
+    o.mode = config::Mode::kOff;
+    return o;
+  };
+  results = run_job(job);
+  for (const auto& r : results)
+    for (const CallOutcome& o : r.outcomes) {
+      BOOST_TEST((o.kind == CallOutcome::Kind::kPassThrough));
+      BOOST_TEST(o.message == "LGRECO_MODE=off");
+    }
 }
 
 // With error feedback the error of the sum over many steps stays at about one step's
@@ -291,17 +332,14 @@ BOOST_AUTO_TEST_CASE(error_feedback_keeps_the_accumulated_error_bounded) {
       const auto results = run_job(job);
       std::vector<double> exact(job.buckets[0].count, 0.0), got(job.buckets[0].count, 0.0);
       for (int s = 0; s < steps; ++s) {
-        double step_error = 0, step_norm = 0;
+        double step_error = 0;
         for (int r = 0; r < ranks; ++r) {
           const auto x = to_double(job.input(r, s, 0), DType::kFloat32);
           for (size_t i = 0; i < x.size(); ++i) exact[i] += x[i];
         }
         const auto out = to_double(results[0].outputs[s], DType::kFloat32);
         for (int r = 1; r < ranks; ++r) BOOST_TEST((results[r].outputs[s] == results[0].outputs[s]));
-        for (size_t i = 0; i < out.size(); ++i) {
-          got[i] += out[i];
-          (void)step_norm;
-        }
+        for (size_t i = 0; i < out.size(); ++i) got[i] += out[i];
         if (s == 0 && ef == 0) {
           for (size_t i = 0; i < out.size(); ++i) step_error += (out[i] - exact[i]) * (out[i] - exact[i]);
           one_step_error = std::sqrt(step_error);
@@ -439,6 +477,161 @@ BOOST_AUTO_TEST_CASE(a_rank_that_stops_gives_errors_not_a_hang) {
     BOOST_TEST((results[r].outcomes[4].kind == CallOutcome::Kind::kError));
     BOOST_TEST(test::contains(results[r].outcomes[4].message, "an earlier compressed allreduce failed"));
   }
+}
+
+// A backend that fails, as a CUDA error would, in the middle of a call: after the
+// all-to-all, while the peers wait for this rank's re-encoded partition.
+class FailingBackend final : public Backend {
+ public:
+  explicit FailingBackend(uint64_t fail_at_step) : fail_at_step_(fail_at_step) {}
+  uint64_t step = 0;
+  std::string name() const override { return "failing"; }
+  std::unique_ptr<Buffer> allocate(uint64_t bytes) override { return cpu_.allocate(bytes); }
+  void fill_zero(void* d, uint64_t n) override { cpu_.fill_zero(d, n); }
+  void copy(void* d, const void* s, uint64_t n) override { cpu_.copy(d, s, n); }
+  void upload(void* d, const void* s, uint64_t n) override { cpu_.upload(d, s, n); }
+  std::unique_ptr<Event> read_back(void* d, const void* s, uint64_t n) override { return cpu_.read_back(d, s, n); }
+  void find_nonfinite(const Plan& p, std::span<const Segment> g, ElementSpan in, uint8_t* f) override {
+    cpu_.find_nonfinite(p, g, in, f);
+  }
+  void encode(const Plan& p, std::span<const Segment> g, ElementSpan in, float* r, uint64_t rf, const uint8_t* f,
+              const NoiseBase& nb, uint8_t* out, uint64_t base) override {
+    cpu_.encode(p, g, in, r, rf, f, nb, out, base);
+  }
+  void decode(const Plan& p, std::span<const Segment> g, const uint8_t* in, uint64_t base, ElementSpan out) override {
+    cpu_.decode(p, g, in, base, out);
+  }
+  void decode_accumulate(const Plan& p, std::span<const Segment> g, const uint8_t* in, uint64_t base,
+                         ElementSpan acc) override {
+    if (step == fail_at_step_) throw std::runtime_error("CUDA error: an illegal memory access was encountered");
+    cpu_.decode_accumulate(p, g, in, base, acc);
+  }
+  void accumulate_exact(const Plan& p, std::span<const Segment> g, ElementSpan in, float* r, uint64_t rf,
+                        const uint8_t* f, ElementSpan acc) override {
+    cpu_.accumulate_exact(p, g, in, r, rf, f, acc);
+  }
+  void divide(float* a, uint64_t n, float d) override { cpu_.divide(a, n, d); }
+  void narrow(const float* a, uint64_t n, ElementSpan out) override { cpu_.narrow(a, n, out); }
+  void measure(const Plan& p, std::span<const Segment> g, ElementSpan in, const float* r, uint64_t rf,
+               const Measure& m) override {
+    cpu_.measure(p, g, in, r, rf, m);
+  }
+  uint64_t mark() override { return cpu_.mark(); }
+  bool mark_ready(uint64_t m) override { return cpu_.mark_ready(m); }
+  void wait_mark(uint64_t m) override { cpu_.wait_mark(m); }
+  double seconds_between(uint64_t a, uint64_t b) override { return cpu_.seconds_between(a, b); }
+  void release_mark(uint64_t m) override { cpu_.release_mark(m); }
+
+ private:
+  CpuBackend cpu_;
+  uint64_t fail_at_step_;
+};
+
+BOOST_AUTO_TEST_CASE(a_rank_that_fails_mid_call_fails_its_peers_at_once) {
+  const int ranks = 3;
+  auto hub = std::make_shared<InProcHub>(ranks, 20000ms);  // far longer than the test may take
+  std::vector<std::vector<CallOutcome>> outcomes(ranks);
+  std::vector<double> seconds(ranks);
+  std::vector<std::thread> threads;
+  const auto layout = fixed_layout({1 << 16}, {quant(4)}, DType::kFloat32);
+  for (int r = 0; r < ranks; ++r)
+    threads.emplace_back([&, r] {
+      InProcFabric fabric(hub, r);
+      FailingBackend backend(r == 1 ? 2 : UINT64_MAX);
+      Engine engine(fixed_options(Algorithm::kScatterReduceAllGather, true), {layout}, fabric, backend);
+      std::vector<float> x(layout.count, 1.0f), y(layout.count);
+      const auto start = std::chrono::steady_clock::now();
+      for (uint64_t step = 0; step < 4; ++step) {
+        backend.step = step;
+        outcomes[r].push_back(
+            engine.allreduce({0, step, x.data(), y.data(), layout.count, DType::kFloat32, ReduceOp::kSum}));
+      }
+      seconds[r] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    });
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < ranks; ++r)
+    BOOST_TEST_CONTEXT("rank " << r) {
+      BOOST_TEST(seconds[r] < 5.0);  // not the 20 s timeout
+      BOOST_TEST((outcomes[r][1].kind == CallOutcome::Kind::kDone));
+      BOOST_TEST((outcomes[r][2].kind == CallOutcome::Kind::kError));
+      BOOST_TEST((outcomes[r][3].kind == CallOutcome::Kind::kError));
+      BOOST_TEST(test::contains(outcomes[r][2].message, r == 1 ? "illegal memory access" : "rank 1 aborted"),
+                 outcomes[r][2].message);
+    }
+}
+
+// A sum that overflows float16 in a `none` layer (finite inputs) is infinite once, like
+// NCCL's, and later steps are right again: the residual must not keep the infinity.
+BOOST_AUTO_TEST_CASE(a_float16_sum_overflow_does_not_stick) {
+  for (Algorithm algorithm : {Algorithm::kScatterReduceAllGather, Algorithm::kAllGather}) {
+    Job job;
+    job.ranks = 3;
+    job.buckets = {fixed_layout({4096, 4096}, {CodecSpec::none(), quant(4)}, DType::kFloat16)};
+    job.options = [&](int) { return fixed_options(algorithm, true); };
+    job.input = [](int, uint64_t step, uint32_t) {
+      return to_dtype(std::vector<float>(8192, step == 0 ? 30000.0f : 1.0f), DType::kFloat16);
+    };
+    job.steps = 4;
+    const auto results = run_job(job);
+    BOOST_TEST_CONTEXT(algorithm_name(algorithm)) {
+      for (int r = 0; r < 3; ++r) {
+        const auto first = to_double(results[r].outputs[0], DType::kFloat16);
+        BOOST_TEST(std::isinf(first[0]));  // 90000 > 65504
+        for (uint64_t step = 1; step < 4; ++step) {
+          const auto out = to_double(results[r].outputs[step], DType::kFloat16);
+          BOOST_TEST(out[0] == 3.0, "step " << step);
+          BOOST_TEST(out[4095] == 3.0, "step " << step);
+        }
+      }
+    }
+  }
+}
+
+// The engine's options from the LGRECO_* parameters, and registered buckets as layouts.
+BOOST_AUTO_TEST_CASE(options_from_parameters_and_layouts_from_registrations) {
+  config::ParamSources sources;
+  sources.read_file = [](const std::string&, bool* missing, std::string*) -> std::optional<std::string> {
+    *missing = true;
+    return std::nullopt;
+  };
+  sources.environment = {{"LGRECO_CODEC", "quant:bits=3"}, {"LGRECO_OBJECTIVE", "time"},
+                         {"LGRECO_ALGORITHM", "sra"}, {"LGRECO_ERROR_FEEDBACK", "0"}};
+  EngineOptions o = EngineOptions::from_params(config::load_params(sources), 0);
+  BOOST_TEST(o.valid);
+  BOOST_TEST(o.codec.str() == quant(3).str());
+  BOOST_TEST(!o.error_feedback);
+  BOOST_TEST(algorithm_name(o.algorithm) == "sra");
+  BOOST_TEST(o.candidates.size() == 8u);  // 2..8 bits and `none`, added by the time objective
+  BOOST_TEST(o.candidates.back().str() == "none");
+  sources.environment.push_back({"LGRECO_ALPHA", "2"});
+  BOOST_TEST(EngineOptions::from_params(config::load_params(sources), 0).parameters_text != o.parameters_text);
+  sources.environment.push_back({"LGRECO_TIMEOUT", "5"});  // may differ between ranks
+  const std::string with_alpha = EngineOptions::from_params(config::load_params(sources), 0).parameters_text;
+  sources.environment.pop_back();
+  BOOST_TEST(EngineOptions::from_params(config::load_params(sources), 0).parameters_text == with_alpha);
+  sources.environment.push_back({"LGRECO_WINDOW", "0"});
+  const EngineOptions invalid = EngineOptions::from_params(config::load_params(sources), 0);
+  BOOST_TEST(!invalid.valid);
+  BOOST_TEST(test::contains(invalid.invalid_reason, "LGRECO_WINDOW=0"), invalid.invalid_reason);
+
+  config::RegisteredBucket bucket;
+  bucket.count = 4096 + 64 + 2048;
+  bucket.layers.push_back({"fc.weight", 0, 4096, {64, 64}, true, {}});
+  bucket.layers.push_back({"fc.bias", 4096, 64, {64}, true, {}});
+  bucket.layers.push_back({"head.weight", 4160, 2048, {32, 64}, true, {}});
+  bucket.layers.back().compress.kind = config::CompressRule::Kind::kPinned;
+  bucket.layers.back().compress.codec = quant(8);
+  const BucketLayout adaptive = layout_from_registration(bucket, o);
+  BOOST_TEST(adaptive.layers[0].candidates.size() == o.candidates.size());
+  BOOST_TEST(adaptive.layers[0].candidates[adaptive.layers[0].default_index].str() == quant(3).str());
+  BOOST_TEST(adaptive.layers[1].candidates.size() == 1u);  // 1-D: never compressed
+  BOOST_TEST(adaptive.layers[1].candidates[0].str() == "none");
+  BOOST_TEST(adaptive.layers[2].candidates.size() == 1u);  // pinned
+  BOOST_TEST(adaptive.layers[2].candidates[0].str() == quant(8).str());
+  o.mode = config::Mode::kUniform;
+  const BucketLayout uniform = layout_from_registration(bucket, o);
+  BOOST_TEST(uniform.layers[0].candidates.size() == 1u);
+  BOOST_TEST(uniform.layers[0].candidates[0].str() == quant(3).str());
 }
 
 // The controller switches every rank to the same assignment at the same step.

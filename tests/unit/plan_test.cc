@@ -74,6 +74,7 @@ BOOST_AUTO_TEST_CASE(random_layouts_cover_the_call_and_balance_bytes) {
       uint64_t largest_granule_bytes = 0;
       for (size_t l = 0; l < sizes.size(); ++l) {
         codecs.push_back(rng() % 4 == 0 ? CodecSpec::none() : quant(1 + rng() % 8, 32 * (1 + rng() % 64)));
+        b.layers[l].candidates = {codecs.back()};
         largest_granule_bytes =
             std::max(largest_granule_bytes, encoded_bytes(codecs.back(), dtype, split_granule(codecs.back())));
       }
@@ -100,6 +101,18 @@ BOOST_AUTO_TEST_CASE(partitions_follow_bytes_not_elements) {
   const double ratio = static_cast<double>(plan.partitions[0].bytes) / plan.partitions[1].bytes;
   BOOST_TEST(ratio > 0.98);
   BOOST_TEST(ratio < 1.02);
+}
+
+BOOST_AUTO_TEST_CASE(boundaries_are_whole_buckets_of_every_candidate) {
+  // Candidates with buckets of 1024 and 1536 values: boundaries inside the layer fall on
+  // multiples of 3072, so every candidate can be measured on each segment.
+  BucketLayout b = layout_of({100000, 70000});
+  for (auto& l : b.layers) l.candidates = {quant(4, 1024), quant(2, 1536), CodecSpec::none()};
+  BOOST_TEST(layer_granule(b.layers[0], quant(4, 1024)) == 3072u);
+  const std::vector<CodecSpec> codecs = {quant(4, 1024), quant(2, 1536)};
+  const Plan plan = make_plan(b, codecs, 7);
+  check_plan(b, codecs, plan, 7);
+  for (const Segment& s : plan.segments) BOOST_TEST(s.first_element % 3072 == 0u);
 }
 
 BOOST_AUTO_TEST_CASE(tiny_and_empty_calls) {
