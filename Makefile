@@ -78,7 +78,7 @@ help:
 	@echo "make            build $(LIB) (+ its NCCL plugin name) and build/bin/ tools"
 	@echo "make deps       install the Debian packages the build and tests need (root)"
 	@echo "make test       deps + build + every test suite (including test-tsan)"
-	@echo "make test-tsan  the controller's thread tests under ThreadSanitizer"
+	@echo "make test-tsan  the controller's and the engine's thread tests under ThreadSanitizer"
 	@echo "make test-python  tools/lgreco-register's tests (needs torch for $(PYTHON))"
 	@echo "make fuzz       the registration/parameter parsers under libFuzzer for FUZZ_SECONDS ($(FUZZ_SECONDS))"
 	@echo "make bench      CPU codec, solver and call-matching benchmarks (one core), as tables"
@@ -160,13 +160,16 @@ $(TEST_BIN): $(TEST_OBJS) $(CORE_LIB)
 
 $(TEST_OBJS): CPPFLAGS += -DBOOST_TEST_DYN_LINK
 
-# The controller's thread and everything it touches, built again with ThreadSanitizer.
-# Only the suites that use no CUDA or codec code: small, and quick to instrument.
-# No target_clones: their ifunc resolvers run before the sanitizer's runtime is up.
-TSAN_SRCS := tests/unit/main.cc tests/unit/controller_test.cc $(wildcard controller/*.cc) \
-             config/log.cc config/params.cc config/text_file.cc config/json_strict.cc kernels/codec_spec.cc
+# The multi-threaded parts, built again with ThreadSanitizer: the controller's solver
+# thread, and the engine with the in-process and socket fabrics (ranks as threads).
+# No CUDA. No target_clones: their ifunc resolvers run before the sanitizer's runtime is up.
+TSAN_SRCS := tests/unit/main.cc tests/unit/controller_test.cc tests/unit/inproc_fabric_test.cc \
+             tests/unit/engine_test.cc tests/unit/socket_fabric_test.cc \
+             $(wildcard controller/*.cc) $(wildcard plugin/collective/*.cc) $(wildcard plugin/transport/*.cc) \
+             config/log.cc config/params.cc config/text_file.cc config/json_strict.cc config/registration.cc \
+             kernels/codec_spec.cc kernels/codec.cc kernels/quant_ref.cc kernels/dtype.cc
 TSAN_OBJS := $(patsubst %,$(BUILD)/tsan/%.o,$(TSAN_SRCS))
-TSAN_BIN  := $(BUILD)/bin/lgreco-controller-tsan-tests
+TSAN_BIN  := $(BUILD)/bin/lgreco-tsan-tests
 $(BUILD)/tsan/%.cc.o: %.cc
 	@mkdir -p $(@D)
 	$(CXX) $(CPPFLAGS) -DBOOST_TEST_DYN_LINK -DLGRECO_NO_MULTIVERSION $(CXXFLAGS) -O1 -fsanitize=thread -c $< -o $@

@@ -110,6 +110,17 @@ inline std::vector<float> read_f32(const std::string& path) {
   return values;
 }
 
+// "25,557,032": a count with thousands separators, for tables people read.
+inline std::string thousands(uint64_t v) {
+  const std::string digits = std::to_string(v);
+  std::string s;
+  for (size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0) s.push_back(',');
+    s.push_back(digits[i]);
+  }
+  return s;
+}
+
 // Monotonic wall-clock seconds, for timing.
 inline double seconds_now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();

@@ -562,15 +562,7 @@ class Run {
 // ---------------------------------------------------------------------------------------
 // Reporting
 
-std::string thousands(uint64_t v) {
-  const std::string digits = std::to_string(v);
-  std::string s;
-  for (size_t i = 0; i < digits.size(); ++i) {
-    if (i > 0 && (digits.size() - i) % 3 == 0) s.push_back(',');
-    s.push_back(digits[i]);
-  }
-  return s;
-}
+using cli::thousands;
 
 // Viridis at seven points, for 2..8 bits.
 constexpr png::Rgb kBitColours[kMaxBits - kMinBits + 1] = {

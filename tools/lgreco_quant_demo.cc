@@ -136,15 +136,7 @@ std::string shape_text(const Tensor& t) {
   return s;
 }
 
-std::string thousands(uint64_t v) {
-  const std::string digits = std::to_string(v);
-  std::string s;
-  for (size_t i = 0; i < digits.size(); ++i) {
-    if (i > 0 && (digits.size() - i) % 3 == 0) s.push_back(',');
-    s.push_back(digits[i]);
-  }
-  return s;
-}
+using cli::thousands;
 
 // The L-GreCo search on the measured candidates, for both error metrics: the squared
 // error (lgreco's default, additive over layers) and the L2 norm (the paper's).
