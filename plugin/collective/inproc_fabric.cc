@@ -83,6 +83,9 @@ void InProcFabric::check_posts(InProcHub::Op op) {
                post.send_bytes.size() != static_cast<size_t>(n)) {
       problem = "rank " + std::to_string(p) + " gave " + std::to_string(post.send_bytes.size()) + " byte counts for " +
                 std::to_string(n) + " ranks";
+    } else if (op == InProcHub::Op::kAllToAll && post.recv_bytes.size() != static_cast<size_t>(n)) {
+      problem = "rank " + std::to_string(p) + " expects data from " + std::to_string(post.recv_bytes.size()) +
+                " ranks of " + std::to_string(n);
     } else if (op == InProcHub::Op::kAllGather && post.send_bytes != hub_->posts_[0].send_bytes) {
       problem = "ranks 0 and " + std::to_string(p) + " disagree on the all_gather_v byte counts";
     } else if ((op == InProcHub::Op::kSumFloat || op == InProcHub::Op::kSumDouble) &&
@@ -91,6 +94,14 @@ void InProcFabric::check_posts(InProcHub::Op op) {
                 std::to_string(post.elements) + " elements";
     }
   }
+  // All-to-all: what each rank sends each other rank is what that rank expects.
+  for (int p = 0; p < n && problem.empty() && op == InProcHub::Op::kAllToAll; ++p)
+    for (int q = 0; q < n && problem.empty(); ++q) {
+      const uint64_t sent = hub_->posts_[p].send_bytes[q], expected = hub_->posts_[q].recv_bytes[p];
+      if (sent != expected)
+        problem = "rank " + std::to_string(q) + " expects " + std::to_string(expected) + " bytes from rank " +
+                  std::to_string(p) + ", which sends " + std::to_string(sent);
+    }
   if (!problem.empty()) {
     hub_->abort(problem + " (mismatched configuration between ranks?)");
     throw FabricError("in-process fabric: " + problem + " (mismatched configuration between ranks?)");
@@ -110,17 +121,13 @@ void InProcFabric::all_to_all_v(const uint8_t* send, std::span<const uint64_t> s
   if (send_bytes.size() != static_cast<size_t>(n) || recv_bytes.size() != static_cast<size_t>(n))
     throw FabricError("all_to_all_v: byte counts for " + std::to_string(send_bytes.size()) + "/" +
                       std::to_string(recv_bytes.size()) + " ranks, the fabric has " + std::to_string(n));
-  post_and_meet({InProcHub::Op::kAllToAll, send, {send_bytes.begin(), send_bytes.end()}, 0});
+  post_and_meet({InProcHub::Op::kAllToAll, send, {send_bytes.begin(), send_bytes.end()},
+                 {recv_bytes.begin(), recv_bytes.end()}, 0});
   check_posts(InProcHub::Op::kAllToAll);
-  std::string mismatch;
   uint64_t at = 0;
   for (int p = 0; p < n; ++p) {
     const InProcHub::Post& post = hub_->posts_[p];
     const uint64_t size = post.send_bytes[rank_];
-    if (size != recv_bytes[p] && mismatch.empty())
-      mismatch = "rank " + std::to_string(rank_) + " expects " + std::to_string(recv_bytes[p]) + " bytes from rank " +
-                 std::to_string(p) + ", which sends " + std::to_string(size);
-    if (!mismatch.empty()) continue;
     const uint64_t offset = std::accumulate(post.send_bytes.begin(), post.send_bytes.begin() + rank_, uint64_t{0});
     if (size) memcpy(recv + at, static_cast<const uint8_t*>(post.send) + offset, size);
     at += size;
@@ -128,17 +135,13 @@ void InProcFabric::all_to_all_v(const uint8_t* send, std::span<const uint64_t> s
   }
   for (int q = 0; q < n; ++q)
     if (q != rank_) counters_.bytes_sent += send_bytes[q];
-  if (!mismatch.empty()) {
-    hub_->abort(mismatch);
-    throw FabricError("in-process fabric: " + mismatch + " (mismatched configuration between ranks?)");
-  }
   finish(start);
 }
 
 void InProcFabric::all_gather_v(const uint8_t* send, std::span<const uint64_t> bytes, uint8_t* recv) {
   const auto start = std::chrono::steady_clock::now();
   const int n = hub_->ranks();
-  post_and_meet({InProcHub::Op::kAllGather, send, {bytes.begin(), bytes.end()}, 0});
+  post_and_meet({InProcHub::Op::kAllGather, send, {bytes.begin(), bytes.end()}, {}, 0});
   check_posts(InProcHub::Op::kAllGather);
   uint64_t at = 0;
   for (int p = 0; p < n; ++p) {
@@ -154,9 +157,9 @@ template <typename T>
 void InProcFabric::sum(std::span<T> data, InProcHub::Op op) {
   const auto start = std::chrono::steady_clock::now();
   const int n = hub_->ranks();
-  post_and_meet({op, data.data(), {}, data.size()});
+  std::vector<T> total(data.size(), T(0));  // before posting: nothing may throw between the meetings
+  post_and_meet({op, data.data(), {}, {}, data.size()});
   check_posts(op);
-  std::vector<T> total(data.size(), T(0));
   for (int p = 0; p < n; ++p) {  // rank order: the same bits everywhere
     const T* from = static_cast<const T*>(hub_->posts_[p].send);
     for (size_t i = 0; i < data.size(); ++i) total[i] += from[i];

@@ -7,6 +7,8 @@
 // may change. Every rank checks every rank's posted operation and byte counts, so a
 // mismatch is reported identically on all of them. A rank that does not come to a
 // meeting within the timeout breaks the hub: every waiting and later call throws.
+// Every check happens before any rank copies: a rank that throws between the meetings
+// frees its buffers while the others might still read them.
 #pragma once
 
 #include <chrono>
@@ -36,6 +38,7 @@ class InProcHub {
     Op op;
     const void* send = nullptr;
     std::vector<uint64_t> send_bytes;  // all-to-all: per destination; all-gather: per rank
+    std::vector<uint64_t> recv_bytes;  // all-to-all: per source
     uint64_t elements = 0;             // reductions
   };
   static const char* op_name(Op op);
