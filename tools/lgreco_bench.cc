@@ -83,7 +83,8 @@ Ranks
                            socket: this process is rank R of N, rendezvous at rank 0's
                            HOST:P (default: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
                            from the environment, as torchrun sets them)
-  --timeout S              longest wait for a peer, in seconds (default 60)
+  --timeout S              longest wait for a peer, in seconds (default: LGRECO_TIMEOUT,
+                           300)
   --seed N                 input seed (default 1)
   -h, --help               this text
 )";
@@ -107,7 +108,7 @@ struct Options {
   int rank = -1, world_size = -1;  // socket, given by flags
   std::string master_addr;
   int master_port = -1;
-  uint64_t timeout_s = 60;
+  uint64_t timeout_s = 0;  // 0: LGRECO_TIMEOUT
   uint64_t seed = 1;
   bool adaptive() const { return codec == "lgreco"; }
 };
@@ -221,6 +222,7 @@ Options parse(int argc, char** argv) {
     }
   }
   if (o.max_bytes == 0) o.max_bytes = o.min_bytes;
+  if (o.timeout_s == 0) o.timeout_s = config::params().timeout_seconds;
   if (o.max_bytes < o.min_bytes) throw cli::UsageError("-e (maxbytes) is smaller than -b (minbytes)");
   if ((o.rank >= 0) != (o.world_size >= 0))
     throw cli::UsageError("--rank and --world-size go together");

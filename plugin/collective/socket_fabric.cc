@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "config/log.h"
+#include "config/params.h"
 
 namespace lgreco::collective {
 
@@ -581,6 +582,7 @@ SocketFabricOptions SocketFabricOptions::from_env() {
   o.master_port = static_cast<uint16_t>(env_integer("MASTER_PORT", 1, 65535));
   o.world_size = static_cast<int>(env_integer("WORLD_SIZE", 1, 1 << 20));
   o.rank = static_cast<int>(env_integer("RANK", 0, o.world_size - 1));
+  o.timeout = std::chrono::seconds(config::params().timeout_seconds);  // LGRECO_TIMEOUT
   return o;
 }
 

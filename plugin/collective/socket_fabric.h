@@ -54,8 +54,8 @@ struct SocketFabricOptions {
   uint16_t master_port = 29500;
   std::chrono::milliseconds timeout = kDefaultTimeout;
 
-  // As torchrun sets them: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE; timeout stays the
-  // default. Throws std::invalid_argument naming a variable that is missing or invalid.
+  // As torchrun sets them: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE; the timeout from
+  // LGRECO_TIMEOUT. Throws std::invalid_argument naming a variable that is missing or invalid.
   static SocketFabricOptions from_env();
 };
 
