@@ -359,7 +359,7 @@ std::vector<BucketLayout> layouts_for(const Options& o, const EngineOptions& eo,
   return out;
 }
 
-EngineOptions engine_options(const Options& o, int rank) {
+EngineOptions engine_options(const Options& o, int rank, int ranks) {
   EngineOptions eo;
   if (o.adaptive()) {
     eo = EngineOptions::from_params(config::params(), rank);
@@ -378,6 +378,9 @@ EngineOptions engine_options(const Options& o, int rank) {
   }
   eo.error_feedback = o.error_feedback;
   eo.algorithm = o.algorithm;
+  // One rank has nothing to exchange and auto would pass every call through; the
+  // all-gather algorithm still shows what the codec costs and loses.
+  if (ranks == 1 && eo.algorithm == Algorithm::kAuto) eo.algorithm = Algorithm::kAllGather;
   // What the ranks must agree on beyond the parameters: the bench's own settings.
   char schedule[96];
   snprintf(schedule, sizeof schedule, " schedule=%llu,%llu,%llu,%llu", static_cast<unsigned long long>(o.schedule[0]),
@@ -405,7 +408,7 @@ std::vector<Row> run_rank(const Options& o, Fabric& fabric) {
     }
   for (uint64_t size : sizes) {
     const uint64_t count = size / dtype_size(o.dtype);
-    const EngineOptions eo = engine_options(o, me);
+    const EngineOptions eo = engine_options(o, me, n);
     const std::vector<BucketLayout> buckets = layouts_for(o, eo, count);
     Engine engine(eo, buckets, fabric, backend);
     std::vector<std::vector<uint8_t>> inputs(buckets.size()), outputs(buckets.size());

@@ -86,7 +86,7 @@ PNG of the bits chosen for every layer at every step. The last line reads
 uniform 4 bits', the budget at alpha = 1; both over the adaptive epochs).
 
   --steps N            steps (default 40; at least 7: the first switch is at step 6)
-  --ranks P            ranks, 1..16 (default 4); each holds its gradients and the engine's buffers
+  --ranks P            ranks, 2..16 (default 4); each holds its gradients and the engine's buffers
   --seed S             seed of the gradients and the rounding noise (default 1)
   --png PATH           where the plot goes (default build/demo/bits.png)
   --registration FILE  a registration file (docs/REGISTRATION.md) instead of ResNet-50
@@ -114,7 +114,8 @@ Options parse_options(int argc, char** argv, bool* help) {
     } else if (arg == "--ranks") {
       const std::string v = args.value();
       const uint64_t r = cli::parse_u64(arg, v);
-      if (r < 1 || r > kMaxRanks) throw cli::UsageError("--ranks must be 1.." + std::to_string(kMaxRanks) + ": " + v);
+      // One rank exchanges nothing, so the engine would pass every call through.
+      if (r < 2 || r > kMaxRanks) throw cli::UsageError("--ranks must be 2.." + std::to_string(kMaxRanks) + ": " + v);
       o.ranks = static_cast<int>(r);
     } else if (arg == "--seed") {
       o.seed = cli::parse_u64(arg, args.value());

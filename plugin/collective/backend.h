@@ -63,6 +63,9 @@ class Backend {
     virtual uint64_t bytes() const = 0;
   };
   virtual std::unique_ptr<Buffer> allocate(uint64_t bytes) = 0;
+  // Host memory that read_back() can copy into without waiting (CUDA: pinned; a copy to
+  // pageable memory returns only when it is done). Zero-filled.
+  virtual std::unique_ptr<Buffer> allocate_host(uint64_t bytes) = 0;
 
   virtual void fill_zero(void* data, uint64_t bytes) = 0;
   virtual void copy(void* dst, const void* src, uint64_t bytes) = 0;
@@ -110,6 +113,10 @@ class Backend {
     std::span<const uint8_t> measured;      // per layer of the bucket: 1 if measured
     double* squared = nullptr;              // layers x candidates
     uint8_t* nonfinite = nullptr;           // layers
+    // Each squared error is multiplied by this before it is added: the square of the
+    // factor by which this stage's error reaches the output (1/P^2 for a rank's own
+    // encoding under ncclAvg, whose sum is divided by P afterwards).
+    double weight = 1.0;
   };
   virtual void measure(const Plan& plan, std::span<const Segment> segments, ElementSpan input, const float* residual,
                        uint64_t residual_first, const Measure& m) = 0;

@@ -18,6 +18,7 @@ class CpuBackend final : public Backend {
   std::string name() const override { return "cpu"; }
 
   std::unique_ptr<Buffer> allocate(uint64_t bytes) override;
+  std::unique_ptr<Buffer> allocate_host(uint64_t bytes) override { return allocate(bytes); }
   void fill_zero(void* data, uint64_t bytes) override;
   void copy(void* dst, const void* src, uint64_t bytes) override;
   void upload(void* dst, const void* host_src, uint64_t bytes) override;

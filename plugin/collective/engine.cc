@@ -157,11 +157,10 @@ BucketLayout layout_from_registration(const config::RegisteredBucket& bucket, co
 // One measured call's candidate errors on their way to the host.
 struct Engine::Sample {
   uint32_t bucket = 0;
-  std::unique_ptr<Backend::Buffer> device;  // squared errors (layers x candidates), then flags
-  std::vector<double> squared;
-  std::vector<uint8_t> nonfinite;
-  std::unique_ptr<Event> squared_ready, nonfinite_ready;
-  Backend::Measure measure;  // where the backend adds this call's errors
+  uint64_t bytes = 0;  // squared errors (layers x candidates, doubles), then a flag per layer
+  std::unique_ptr<Backend::Buffer> device, host;
+  std::unique_ptr<Event> ready;  // the read-back from device to host
+  Backend::Measure measure;      // where the backend adds this call's errors
 };
 
 // The marks around one call's exchanges and codec operations, read when the queue has
@@ -232,8 +231,15 @@ Engine::Engine(EngineOptions options, std::vector<BucketLayout> buckets, Fabric&
     // measurements at every submit.
     if (settings.objective == controller::Objective::kTime && !(settings.cost_model.link.bandwidth > 0))
       settings.cost_model.link.bandwidth = 1e9;
-    controller_ = std::make_unique<controller::Controller>(settings, std::move(layers));
-    stats_.emplace(controller_->new_stats());
+    try {
+      controller_ = std::make_unique<controller::Controller>(settings, std::move(layers));
+      stats_.emplace(controller_->new_stats());
+    } catch (const std::invalid_argument& e) {
+      // Settings the parameter check let through but the controller refuses: this rank
+      // still takes part in the agreement, as one whose configuration is invalid.
+      options_.valid = false;
+      options_.invalid_reason = std::string("the controller refuses its settings: ") + e.what();
+    }
   }
   // The agreement's records: allocated here, so that comparing configurations can never
   // fail on one rank alone.
@@ -535,13 +541,14 @@ Engine::Sample* Engine::begin_sample(BucketState& b, const EngineCall& call) {
     sample = std::make_unique<Sample>();
   }
   sample->bucket = call.bucket;
-  sample->squared.resize(layers * c);
-  sample->nonfinite.resize(layers);
-  const uint64_t squared_bytes = sample->squared.size() * sizeof(double);
-  if (!sample->device || sample->device->bytes() < squared_bytes + layers)
-    sample->device = backend_.allocate(squared_bytes + layers);
+  const uint64_t squared_bytes = layers * c * sizeof(double);
+  sample->bytes = squared_bytes + layers;
+  if (!sample->device || sample->device->bytes() < sample->bytes) {
+    sample->device = backend_.allocate(sample->bytes);
+    sample->host = backend_.allocate_host(sample->bytes);
+  }
   auto* device = static_cast<uint8_t*>(sample->device->data());
-  backend_.fill_zero(device, squared_bytes + layers);
+  backend_.fill_zero(device, sample->bytes);
   sample->measure = Backend::Measure{measured_candidates_, b.measured, reinterpret_cast<double*>(device),
                                      device + squared_bytes};
   samples_.push_back(std::move(sample));
@@ -557,25 +564,23 @@ Engine::Sample* Engine::begin_sample(BucketState& b, const EngineCall& call) {
 // window ends (or they are already there).
 void Engine::finish_sample() {
   Sample& s = *samples_.back();
-  auto* device = static_cast<uint8_t*>(s.device->data());
-  const uint64_t squared_bytes = s.squared.size() * sizeof(double);
-  s.squared_ready = backend_.read_back(s.squared.data(), device, squared_bytes);
-  s.nonfinite_ready = backend_.read_back(s.nonfinite.data(), device + squared_bytes, s.nonfinite.size());
+  s.ready = backend_.read_back(s.host->data(), s.device->data(), s.bytes);
 }
 
 void Engine::collect_samples(bool wait) {
   while (!samples_.empty()) {
     Sample& s = *samples_.front();
-    if (!wait && !(s.squared_ready->ready() && s.nonfinite_ready->ready())) return;
-    s.squared_ready->wait();
-    s.nonfinite_ready->wait();
+    if (!wait && !s.ready->ready()) return;
+    s.ready->wait();
     const BucketState& b = *state_of_[s.bucket];
     const size_t c = measured_candidates_.size();
+    auto* squared = static_cast<double*>(s.host->data());
+    const uint8_t* nonfinite = reinterpret_cast<const uint8_t*>(squared + b.controller_of.size() * c);
     for (size_t l = 0; l < b.controller_of.size(); ++l) {
       const int32_t k = b.controller_of[l];
       if (k < 0) continue;
-      std::span<double> values(s.squared.data() + l * c, c);
-      if (s.nonfinite[l]) std::fill(values.begin(), values.end(), std::numeric_limits<double>::infinity());
+      std::span<double> values(squared + l * c, c);
+      if (nonfinite[l]) std::fill(values.begin(), values.end(), std::numeric_limits<double>::infinity());
       stats_->add(static_cast<size_t>(k), values);  // a non-finite sample is counted as skipped
     }
     spare_samples_.push_back(std::move(samples_.front()));
@@ -588,13 +593,16 @@ void Engine::resolve_timings(bool wait) {
     const CallTiming& t = timings_.front();
     if (wait) backend_.wait_mark(t.last_mark());
     else if (!backend_.mark_ready(t.last_mark())) return;
-    double exchange_s = 0, codec_s = 0;
-    for (int i = 0; i < t.exchanges; ++i) exchange_s += backend_.seconds_between(t.exchange[i][0], t.exchange[i][1]);
+    double exchange_s[CallTiming::kMaxIntervals] = {}, codec_s = 0;
+    for (int i = 0; i < t.exchanges; ++i) {
+      exchange_s[i] = backend_.seconds_between(t.exchange[i][0], t.exchange[i][1]);
+      counters_.exchange_seconds += exchange_s[i];
+    }
     for (int i = 0; i < t.codecs; ++i) codec_s += backend_.seconds_between(t.codec[i][0], t.codec[i][1]);
-    counters_.exchange_seconds += exchange_s;
     counters_.codec_seconds += codec_s;
-    if (t.in_window && window_.call_exchange_seconds.size() < kMaxTimedCalls) {
-      window_.call_exchange_seconds.push_back(exchange_s);
+    // Whole calls only, so that bytes and times cover the same calls on every rank.
+    if (t.in_window && window_.exchange_seconds.size() + t.exchanges <= kMaxTimedExchanges) {
+      window_.exchange_seconds.insert(window_.exchange_seconds.end(), exchange_s, exchange_s + t.exchanges);
       window_.encoded_bytes += t.encoded_bytes;
       window_.codec_seconds += codec_s;
       window_.quant_elements += t.quant_elements;
@@ -610,19 +618,19 @@ void Engine::submit_window() {
   collect_samples(true);
   resolve_timings(true);
   // The statistics and the cost measurements, summed across ranks in one reduction. Each
-  // rank's exchange time of each timed call goes to its own slot, so that every rank can
-  // take, call by call, the smallest: a rank's exchange also waits for slower peers'
+  // rank's time of each timed exchange goes to its own slot, so that every rank can take,
+  // exchange by exchange, the smallest: a rank's exchange also waits for slower peers'
   // encoding, and the rank that arrives last waits least, so its time is the closest to
-  // what the link costs. Every rank timed the same calls.
+  // what the link costs. Every rank timed the same exchanges.
   const int n = fabric_.size();
-  const size_t calls = window_.call_exchange_seconds.size();
+  const size_t calls = window_.exchange_seconds.size();
   std::span<double> local = stats_->reduction_buffer();
   std::vector<double> all(local.begin(), local.end());
   const size_t cost_at = all.size();
   all.resize(cost_at + 2 + n * calls, 0.0);
   all[cost_at] = window_.codec_seconds;
   all[cost_at + 1] = window_.quant_elements;
-  std::copy(window_.call_exchange_seconds.begin(), window_.call_exchange_seconds.end(),
+  std::copy(window_.exchange_seconds.begin(), window_.exchange_seconds.end(),
             all.begin() + cost_at + 2 + fabric_.rank() * calls);
   const double encoded = window_.encoded_bytes;  // the same on every rank
   window_ = WindowCost{};
@@ -650,6 +658,7 @@ void Engine::submit_window() {
     LGRECO_INFO("ENGINE", "window ending at step %llu: exchanges moved %.4g encoded bytes/s, the codec %.4g elements/s",
                 static_cast<unsigned long long>(window_last), model->link.bandwidth, quant_throughput_);
   }
+  last_window_stats_ = *stats_;
   controller_->submit(window_last, std::move(*stats_), model);
   stats_.emplace(controller_->new_stats());
   switch_due_ = controller_->schedule().effective_step(window_last);
@@ -669,9 +678,13 @@ void Engine::all_gather(BucketState& b, const EngineCall& call, Sample* sample, 
   auto* acc = reinterpret_cast<float*>(scratch(kAcc, call.count * 4));
   const NoiseBase noise{options_.seed, static_cast<uint32_t>(fabric_.rank()), call.step, b.layer_base};
 
-  // Every rank's quantization error reaches the output: the candidates are measured on
-  // exactly what this rank encodes.
-  if (sample) backend_.measure(plan, plan.segments, input, residual, 0, sample->measure);
+  // Every rank's quantization error reaches the output (divided by P for an average):
+  // the candidates are measured on exactly what this rank encodes.
+  if (sample) {
+    Backend::Measure m = sample->measure;
+    if (call.op == ReduceOp::kAvg) m.weight = 1.0 / (static_cast<double>(n) * n);
+    backend_.measure(plan, plan.segments, input, residual, 0, m);
+  }
   timing.codec[timing.codecs][0] = backend_.mark();
   if (flags) backend_.find_nonfinite(plan, plan.segments, input, flags);
   backend_.encode(plan, plan.segments, input, residual, 0, flags, noise, send, 0);
@@ -721,9 +734,14 @@ void Engine::reduce_scatter_allgather(BucketState& b, const EngineCall& call, Sa
   // owners' re-encoding error: the candidates are measured on both, so that the
   // controller's budget covers both quantizations (segments are whole buckets of every
   // candidate: plan.h, layer_granule).
-  if (sample)
+  // Under ncclAvg the sum is divided by P before the re-encoding: a stage-1 error reaches
+  // the output divided by P, the re-encoding's as it is.
+  if (sample) {
+    Backend::Measure m = sample->measure;
+    if (call.op == ReduceOp::kAvg) m.weight = 1.0 / (static_cast<double>(n) * n);
     for (int q = 0; q < n; ++q)
-      if (q != me) backend_.measure(plan, plan.segments_of(plan.partitions[q]), input, residual, 0, sample->measure);
+      if (q != me) backend_.measure(plan, plan.segments_of(plan.partitions[q]), input, residual, 0, m);
+  }
   timing.codec[timing.codecs][0] = backend_.mark();
   if (flags) backend_.find_nonfinite(plan, plan.segments, input, flags);
   const NoiseBase noise{options_.seed, static_cast<uint32_t>(me), call.step, b.layer_base};

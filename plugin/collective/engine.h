@@ -143,6 +143,9 @@ class Engine {
   std::vector<float> residual_snapshot(uint32_t bucket) const;
   // Null in uniform mode or when no layer is adaptive.
   const controller::Controller* controller() const { return controller_.get(); }
+  // The statistics of the last window, summed across ranks, as submitted to the
+  // controller (empty before the first): for tests and diagnostics.
+  const std::optional<controller::ErrorStats>& last_window_stats() const { return last_window_stats_; }
   // Global index of each adaptive layer in the controller: "bucket/layer" names.
   const std::vector<std::string>& controller_layer_names() const { return controller_names_; }
 
@@ -151,8 +154,8 @@ class Engine {
   struct BucketState;
   struct Sample;
   struct CallTiming;
-  // Calls of a window whose exchange times are compared across ranks (more are not timed).
-  static constexpr size_t kMaxTimedCalls = 64;
+  // Exchanges of a window whose times are compared across ranks (later calls are not timed).
+  static constexpr size_t kMaxTimedExchanges = 128;
 
   CallOutcome first_call(const EngineCall& call);
   CallOutcome run(const EngineCall& call);
@@ -189,13 +192,13 @@ class Engine {
   uint64_t last_step_ = 0;
 
   // Statistics of the current window.
-  std::optional<controller::ErrorStats> stats_;
+  std::optional<controller::ErrorStats> stats_, last_window_stats_;
   std::optional<uint64_t> window_end_;  // the window being measured ends at this step
   std::deque<std::unique_ptr<Sample>> samples_;  // measured, not yet in stats_
   std::vector<std::unique_ptr<Sample>> spare_samples_;
   std::deque<CallTiming> timings_;  // calls whose marks have not been read
   struct WindowCost {
-    std::vector<double> call_exchange_seconds;  // per timed call of the window
+    std::vector<double> exchange_seconds;  // per timed exchange of the window
     double encoded_bytes = 0, codec_seconds = 0, quant_elements = 0;
   } window_;
   double quant_throughput_ = 0;  // elements/s of the quantization codec, last measured

@@ -11,6 +11,9 @@
 #   netbench: rate=100mbit ranks=4 size=16MiB codec=quant:bits=4 time_ms=... speedup=... byte_ratio=...
 # speedup: the uncompressed run's time over this one's; byte_ratio: the uncompressed run's
 # wire bytes per rank over this one's. Everything is torn down on exit, error or ^C.
+# The issue's targets are checked last (exit status 1 if one is missed):
+#   100mbit: quant:bits=4 speedup >= 0.7 x its byte_ratio;
+#   every rate: lgreco (time objective) speedup >= 0.95.
 # Needs root (CI runs as root), iproute2 and tc (kernel sch_tbf).
 #
 # Environment: LGRECO_NETBENCH_BIN (default build/bin/lgreco-bench), NETBENCH_ITERS (3),
@@ -88,11 +91,13 @@ set_rate() {
   done
 }
 
-# Runs one configuration; prints rank 0's data row. Every process is bounded in time.
+# Runs one configuration in this shell (so that ^C interrupts its wait) and leaves rank 0's
+# data row in $OUT/row. Every process is bounded in time.
 run() {
   local size=$1 codec=$2; shift 2
   local pids=() r rc=0
-  PORT=$((PORT + 1))
+  PORT=$((PORT + 1))  # a fresh rendezvous port per run
+  : > "$OUT/row"
   for r in $(seq 0 $((RANKS - 1))); do
     ip netns exec "$PREFIX-r$r" env RANK=$r WORLD_SIZE=$RANKS MASTER_ADDR=$SUBNET.1 MASTER_PORT=$PORT \
       LGRECO_DEBUG=WARN timeout 600 "$BIN" --fabric socket -b "$size" -n "$ITERS" --codec "$codec" \
@@ -105,11 +110,12 @@ run() {
     tail -n 20 "$OUT/rank0.log" >&2
     return 1
   fi
-  grep -v '^#' "$OUT/rank0.log" | grep -v LGRECO | head -n 1
+  grep -v '^#' "$OUT/rank0.log" | grep -v LGRECO | head -n 1 > "$OUT/row"
 }
 
 setup
 status=0
+missed=()
 for pair in $RATES; do
   rate=${pair%%:*}
   size=${pair##*:}
@@ -122,17 +128,40 @@ for pair in $RATES; do
       extra=(-w 5 --objective time)  # the assignment solved from iterations 1-2 is in effect from the 5th
       label=lgreco:time
     fi
-    row=$(run "$size" "$codec" "${extra[@]}") || { status=1; continue; }
+    if ! run "$size" "$codec" "${extra[@]}"; then
+      status=1
+      # Without the uncompressed baseline no other row of this rate means anything.
+      [ "$codec" = none ] && { echo "netbench: rate=$rate: no baseline, skipping its other codecs" >&2; break; }
+      continue
+    fi
+    row=$(cat "$OUT/row")
     time_us=$(echo "$row" | awk '{print $5}')
     wire=$(echo "$row" | awk '{print $8}')
     wrong=$(echo "$row" | awk '{print $11}')
-    if [ -z "$base_time" ]; then base_time=$time_us; base_wire=$wire; fi
-    awk -v rate="$rate" -v ranks=$RANKS -v size="$size" -v codec="$label" -v t="$time_us" -v w="$wire" \
+    if [ "$codec" = none ]; then base_time=$time_us; base_wire=$wire; fi
+    line=$(awk -v rate="$rate" -v ranks=$RANKS -v size="$size" -v codec="$label" -v t="$time_us" -v w="$wire" \
         -v bt="$base_time" -v bw="$base_wire" -v chosen="$(echo "$row" | awk '{print $4}')" -v wrong="$wrong" \
       'BEGIN { sub(/M$/, "MiB", size);
                printf "netbench: rate=%s ranks=%d size=%s codec=%s time_ms=%.1f speedup=%.2f byte_ratio=%.2f%s wrong=%s\n",
                       rate, ranks, size, codec, t / 1000, bt / t, bw / w,
-                      codec ~ /^lgreco/ ? " chosen=" chosen : "", wrong }'
+                      codec ~ /^lgreco/ ? " chosen=" chosen : "", wrong }')
+    echo "$line"
+    [ "$wrong" = 0 ] || { missed+=("$rate $label: $wrong wrong values"); status=1; }
+    speedup=$(awk -v bt="$base_time" -v t="$time_us" 'BEGIN { print bt / t }')
+    ratio=$(awk -v bw="$base_wire" -v w="$wire" 'BEGIN { print bw / w }')
+    if [ "$rate" = 100mbit ] && [ "$codec" = quant:bits=4 ] &&
+       ! awk -v s="$speedup" -v r="$ratio" 'BEGIN { exit !(s >= 0.7 * r) }'; then
+      missed+=("$rate quant:bits=4: speedup $speedup < 0.7 x byte ratio $ratio")
+    fi
+    if [ "$codec" = lgreco ] && ! awk -v s="$speedup" 'BEGIN { exit !(s >= 0.95) }'; then
+      missed+=("$rate lgreco:time: speedup $speedup < 0.95")
+    fi
   done
 done
+if [ ${#missed[@]} -gt 0 ]; then
+  for m in "${missed[@]}"; do echo "netbench: target missed: $m"; done
+  status=1
+elif [ "$status" = 0 ]; then
+  echo "netbench: targets met"
+fi
 exit $status

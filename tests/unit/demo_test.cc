@@ -107,7 +107,7 @@ BOOST_AUTO_TEST_CASE(command_line_errors) {
   BOOST_TEST(help.exit_code == 0);
   BOOST_TEST(test::contains(help.output, "usage: lgreco-demo"));
   for (const char* bad :
-       {"--steps 6", "--steps x", "--ranks 0", "--ranks 17", "--algorithm ring", "--bogus", "--png"}) {
+       {"--steps 6", "--steps x", "--ranks 0", "--ranks 1", "--ranks 17", "--algorithm ring", "--bogus", "--png"}) {
     const auto r = test::run_command(demo() + " " + bad);
     BOOST_TEST(r.exit_code == 2, bad << ": " << r.output);
     BOOST_TEST(test::contains(r.output, "Try 'lgreco-demo --help'"), bad << ": " << r.output);

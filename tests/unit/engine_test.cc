@@ -487,6 +487,7 @@ class FailingBackend final : public Backend {
   uint64_t step = 0;
   std::string name() const override { return "failing"; }
   std::unique_ptr<Buffer> allocate(uint64_t bytes) override { return cpu_.allocate(bytes); }
+  std::unique_ptr<Buffer> allocate_host(uint64_t bytes) override { return cpu_.allocate_host(bytes); }
   void fill_zero(void* d, uint64_t n) override { cpu_.fill_zero(d, n); }
   void copy(void* d, const void* s, uint64_t n) override { cpu_.copy(d, s, n); }
   void upload(void* d, const void* s, uint64_t n) override { cpu_.upload(d, s, n); }
@@ -632,6 +633,79 @@ BOOST_AUTO_TEST_CASE(options_from_parameters_and_layouts_from_registrations) {
   const BucketLayout uniform = layout_from_registration(bucket, o);
   BOOST_TEST(uniform.layers[0].candidates.size() == 1u);
   BOOST_TEST(uniform.layers[0].candidates[0].str() == quant(3).str());
+}
+
+// What the controller is told a layer's default codec costs in error is what the output
+// of the allreduce really carries: both quantizations of sra counted, and for ncclAvg the
+// first scaled by 1/P^2 like the sum it belongs to.
+BOOST_AUTO_TEST_CASE(measured_errors_are_the_output_errors) {
+  const uint64_t seed = test::run_seed();
+  std::vector<CodecSpec> candidates;
+  for (int bits = 2; bits <= 8; ++bits) candidates.push_back(quant(bits));
+  for (Algorithm algorithm : {Algorithm::kScatterReduceAllGather, Algorithm::kAllGather})
+    for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg}) {
+      const int ranks = 4;
+      BucketLayout bucket;
+      for (uint64_t size : {60000u, 90000u}) {
+        bucket.layers.push_back({"layer" + std::to_string(bucket.layers.size()), bucket.count, size, candidates, 2});
+        bucket.count += size;
+      }
+      auto hub = std::make_shared<InProcHub>(ranks, 10000ms);
+      std::vector<std::vector<Bytes>> outputs(ranks);
+      std::optional<controller::ErrorStats> stats;
+      auto input = [&](int r, uint64_t step) {
+        std::mt19937_64 rng(seed ^ (uint64_t(r) << 40) ^ step);
+        std::vector<float> x = test::draw(test::Dist::kNormal, bucket.count, rng);
+        for (size_t i = 0; i < x.size(); ++i) x[i] += 3.0f;  // correlated ranks: the sum's range grows
+        return x;
+      };
+      std::vector<std::thread> threads;
+      for (int r = 0; r < ranks; ++r)
+        threads.emplace_back([&, r] {
+          InProcFabric fabric(hub, r);
+          CpuBackend backend;
+          EngineOptions o;
+          o.codec = quant(4);
+          o.candidates = candidates;
+          o.error_feedback = false;
+          o.algorithm = algorithm;
+          o.parameters_text = "measure";
+          o.controller.schedule = {3, 100, 2, 2};  // measures steps 1 and 2, submits at step 3
+          Engine engine(o, {bucket}, fabric, backend);
+          for (uint64_t step = 0; step < 4; ++step) {
+            const std::vector<float> x = input(r, step);
+            std::vector<float> y(x.size());
+            engine.allreduce({0, step, x.data(), y.data(), bucket.count, DType::kFloat32, op});
+            outputs[r].push_back(to_dtype(y, DType::kFloat32));
+          }
+          if (r == 0) stats = engine.last_window_stats();
+        });
+      for (auto& t : threads) t.join();
+      BOOST_TEST_REQUIRE(stats.has_value());
+      for (size_t l = 0; l < 2; ++l) {
+        double realized = 0;
+        for (uint64_t step : {1u, 2u}) {
+          std::vector<double> exact(bucket.count, 0.0);
+          for (int r = 0; r < ranks; ++r) {
+            const auto x = input(r, step);
+            for (size_t i = 0; i < x.size(); ++i) exact[i] += x[i];
+          }
+          const auto out = to_double(outputs[0][step], DType::kFloat32);
+          const LayerLayout& layer = bucket.layers[l];
+          for (uint64_t i = layer.offset; i < layer.offset + layer.numel; ++i) {
+            const double want = op == ReduceOp::kAvg ? exact[i] / ranks : exact[i];
+            realized += (out[i] - want) * (out[i] - want);
+          }
+        }
+        BOOST_TEST(stats->samples(l) == 2u * ranks);
+        const double measured = stats->mean(l, 2) * static_cast<double>(stats->samples(l));  // 4 bits, the default
+        BOOST_TEST_CONTEXT(algorithm_name(algorithm) << (op == ReduceOp::kAvg ? " avg" : " sum") << " layer " << l
+                                                     << ": measured " << measured << ", realized " << realized) {
+          BOOST_TEST(measured > 0.9 * realized);
+          BOOST_TEST(measured < 1.1 * realized);
+        }
+      }
+    }
 }
 
 // The controller switches every rank to the same assignment at the same step.
