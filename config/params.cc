@@ -213,6 +213,12 @@ const ParamInfo kParamTable[] = {
        return parse_choice(v, {std::pair{"auto", std::string("auto")}, {"sra", std::string("sra")},
                                {"allgather", std::string("allgather")}}, &p.algorithm);
      }},
+    {"LGRECO_RENDEZVOUS_PORT", "", "a port, 1 to 65535",
+     "The socket fabric (`lgreco-bench --fabric socket`): the port of rank 0's rendezvous on MASTER_ADDR. Unset: "
+     "MASTER_PORT, or MASTER_PORT + 1 under torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE=True), which "
+     "holds MASTER_PORT.",
+     [](Params& p, const std::string& v) { return v.empty() ? (p.rendezvous_port = 0, std::string())
+                                                            : parse_unsigned(v, 1, 65535, &p.rendezvous_port); }},
     {"LGRECO_TIMEOUT", "300", "seconds, a whole number from 1 to 86400",
      "The longest lgreco waits for a peer rank during a compressed exchange before it reports an error naming "
      "the rank (a dead or stalled process must not hang the others forever).",

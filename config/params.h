@@ -55,6 +55,7 @@ struct Params {
   bool error_feedback = true;
   std::string algorithm = "auto";      // auto | sra | allgather (plugin/collective/engine.h)
   uint64_t timeout_seconds = 300;
+  uint64_t rendezvous_port = 0;        // 0: unset (socket fabric: MASTER_PORT or the next)
   std::string decision_log;            // pattern: %h host, %p pid, %r rank, %% a percent sign
   log::Level debug_level = log::Level::kWarn;
   std::string debug_file;              // pattern: %h, %p, %%; empty: stderr

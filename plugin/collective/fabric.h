@@ -74,6 +74,12 @@ class Fabric {
   // not come to the next operation. Peers waiting for it fail at once (a closed
   // connection, a broken hub; NCCL: ncclCommAbort) instead of waiting out the timeout,
   // and every later call here throws. Never throws; idempotent.
+  //
+  // Threads: the engine calls it from the thread that makes the fabric's calls, and
+  // every implementation must allow that. The in-process and socket fabrics also allow
+  // it from any other thread, even while an operation runs there (a watchdog): that
+  // operation then ends with FabricError at once. An implementation that cannot must
+  // say so in its header.
   virtual void abort(const std::string& why) = 0;
 };
 

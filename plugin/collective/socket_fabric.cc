@@ -1,6 +1,7 @@
 #include "plugin/collective/socket_fabric.h"
 
 #include <poll.h>
+#include <sys/socket.h>
 
 #include <algorithm>
 #include <array>
@@ -10,6 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <stdexcept>
 #include <thread>
 
@@ -192,10 +194,11 @@ Fd connect_to_rank0(const SocketAddress& master, const SocketFabricOptions& opti
     }
     last_error = error;
     if (remaining(deadline) <= backoff)
-      throw FabricError("socket fabric, rank " + std::to_string(options.rank) +
-                        ": rendezvous: cannot reach rank 0 at " + master.str() + " within " + ms_text(options.timeout) +
-                        " (" + std::to_string(attempts) + " attempts, last: " + transport::errno_text(last_error) +
-                        "): rank 0 has not started, has failed, or MASTER_ADDR/MASTER_PORT are wrong");
+      throw FabricError(
+          "socket fabric, rank " + std::to_string(options.rank) + ": rendezvous: cannot reach rank 0 at " +
+          master.str() + " within " + ms_text(options.timeout) + " (" + std::to_string(attempts) +
+          " attempts, last: " + transport::errno_text(last_error) +
+          "): rank 0 has not started, has failed, or MASTER_ADDR/MASTER_PORT (LGRECO_RENDEZVOUS_PORT) are wrong");
     std::this_thread::sleep_for(backoff);
     backoff = std::min(backoff * 2, milliseconds(500));
   }
@@ -215,7 +218,8 @@ Rendezvous join_rendezvous(const SocketFabricOptions& options, const SocketAddre
 
   uint8_t welcome_bytes[kWelcomeBytes];
   recv_all(fd.get(), welcome_bytes, sizeof welcome_bytes, deadline, me + ": waiting for rank 0's answer",
-           "whatever listens there does not answer like an lgreco rank 0");
+           "whatever listens there does not answer like an lgreco rank 0: another service on that port, such as "
+           "torchrun's agent store on MASTER_PORT? See LGRECO_RENDEZVOUS_PORT");
   const Welcome welcome = decode_welcome(welcome_bytes);
   if (welcome.magic != kRendezvousMagic)
     throw FabricError(me + ": what listens there is not an lgreco rank 0 (magic " + hex(welcome.magic) +
@@ -259,6 +263,47 @@ Rendezvous join_rendezvous(const SocketFabricOptions& options, const SocketAddre
   return result;
 }
 
+// At most one WARN line per interval for an event that anyone who can reach a port can
+// repeat at will (connections that are not ranks of this job): a port scanner must not
+// fill the log, nor cost the rank its time writing one. The next line that is shown
+// counts those left out.
+class WarnLimiter {
+ public:
+  void warn(const std::string& message) {
+    const auto now = Clock::now();
+    if (now < next_) {
+      ++left_out_;
+      return;
+    }
+    next_ = now + kInterval;
+    if (left_out_ > 0) {
+      LGRECO_WARN("NET", "%s (and %llu similar line(s) left out before it)", message.c_str(),
+                  static_cast<unsigned long long>(left_out_));
+    } else {
+      LGRECO_WARN("NET", "%s", message.c_str());
+    }
+    left_out_ = 0;
+  }
+
+ private:
+  static constexpr milliseconds kInterval{1000};
+  Clock::time_point next_ = Clock::time_point::min();
+  uint64_t left_out_ = 0;
+};
+
+// Why accept() itself failed: a problem of this process or host (out of descriptors or
+// memory), which calling it again at once does not cure and no peer is to blame for.
+std::string accept_failure(int error) {
+  std::string text = "accept() failed: " + transport::errno_text(error);
+  if (error == EMFILE || error == ENFILE)
+    return text + " (this process or the system is out of file descriptors: raise the limit, ulimit -n)";
+  return text + " (a problem of this process or host, not of a peer)";
+}
+
+// Connections rank 0 serves at rendezvous beyond the ranks themselves (strays that have
+// not said anything yet): a bound, so that a flood of them cannot use up descriptors.
+constexpr size_t kMaxStrayConnections = 64;
+
 // Rank 0's side: serves every joining rank at once over poll().
 class RendezvousHost {
  public:
@@ -266,43 +311,49 @@ class RendezvousHost {
       : options_(options),
         master_(master),
         deadline_(deadline),
+        handshake_timeout_(std::min(options.handshake_timeout, options.timeout)),
         me_("socket fabric, rank 0: rendezvous on " + master.str()) {}
 
   Rendezvous run() {
+    // Every address of MASTER_ADDR's family, as torchrun's TCPStore does: the name may
+    // resolve here to another address than on the other hosts (Debian and Ubuntu map the
+    // host's own name to 127.0.1.1 in /etc/hosts, which no other host can reach).
+    const SocketAddress any = SocketAddress::wildcard(master_.family(), master_.port());
     try {
-      server_ = transport::listen_tcp(master_, /*reuse_address=*/true);
+      server_ = transport::listen_tcp(any, /*reuse_address=*/true);
     } catch (const transport::TransportError& e) {
-      throw FabricError(me_ + ": " + e.what() +
-                        " (MASTER_PORT in use by another job, or MASTER_ADDR not an address of this host?)");
+      if (e.error_number() == EADDRINUSE)
+        throw FabricError(me_ + ": port " + std::to_string(master_.port()) + " is already in use on this host (" +
+                          e.what() +
+                          "): by torchrun's agent store, another job, or a process of an earlier run. Set "
+                          "LGRECO_RENDEZVOUS_PORT to a free port, the same on every rank");
+      throw FabricError(me_ + ": " + e.what());
     }
-    Rendezvous result;
-    result.comm_id = transport::random_id();
-    SocketAddress data_address = master_;
-    data_address.set_port(0);
-    result.listener = transport::listen(data_address, {result.comm_id, 0});
-    result.handles.resize(static_cast<size_t>(options_.world_size));
-    result.handles[0] = result.listener->handle();
-    comm_id_ = result.comm_id;
-    handles_ = &result.handles;
+    LGRECO_INFO("NET", "%s: listening on %s for %d rank(s)", me_.c_str(), any.str().c_str(), options_.world_size - 1);
+    result_.comm_id = transport::random_id();
+    result_.handles.resize(static_cast<size_t>(options_.world_size));
 
     std::vector<pollfd> fds;
     while (!finished()) {
-      if (Clock::now() >= deadline_) throw FabricError(timeout_message());
+      const auto now = Clock::now();
+      if (now >= deadline_) throw FabricError(timeout_message());
+      drop_silent_strays(now);
       fds.clear();
-      if (joined_ < options_.world_size - 1) fds.push_back({server_.get(), POLLIN, 0});
+      const bool accepting = joined_ < options_.world_size - 1 && has_room();
+      if (accepting) fds.push_back({server_.get(), POLLIN, 0});
       for (const Joiner& j : joiners_)
         if (j.stage != Stage::kWaiting && j.stage != Stage::kDone && j.stage != Stage::kDropped)
           fds.push_back({j.fd.get(), static_cast<short>(sending(j.stage) ? POLLOUT : POLLIN), 0});
       const milliseconds wait = std::min(remaining(deadline_), milliseconds(100));
       ::poll(fds.data(), fds.size(), static_cast<int>(wait.count()));
-      if (joined_ < options_.world_size - 1) accept_new();
+      if (accepting) accept_new();
       for (Joiner& j : joiners_) step(j);
       std::erase_if(joiners_, [](const Joiner& j) { return j.stage == Stage::kDropped; });
       if (joined_ == options_.world_size - 1 && !table_ready_) start_table();
     }
     // Leaving closes the rendezvous listener and every rendezvous connection (RAII):
-    // MASTER_PORT is free again once the fabric exists.
-    return result;
+    // the rendezvous port is free again once the fabric exists.
+    return std::move(result_);
   }
 
  private:
@@ -311,7 +362,9 @@ class RendezvousHost {
 
   struct Joiner {
     Fd fd;
+    std::optional<SocketAddress> peer;
     std::string address;
+    Clock::time_point since;  // when it was accepted
     Stage stage = Stage::kJoin;
     int rank = -1;
     size_t offset = 0;
@@ -328,20 +381,44 @@ class RendezvousHost {
                        [](const Joiner& j) { return j.rank < 0 || j.stage == Stage::kDone; });
   }
 
+  bool has_room() const {
+    return joiners_.size() < static_cast<size_t>(options_.world_size - 1) + kMaxStrayConnections;
+  }
+
   void accept_new() {
-    for (;;) {
+    while (has_room()) {
       int error = 0;
       Fd fd = transport::accept_tcp(server_.get(), &error);
-      if (!fd.valid()) return;  // EAGAIN, or an error accept() will report again
+      if (!fd.valid()) {
+        if (error == EAGAIN) return;
+        // Persistent (EMFILE...): waiting cannot help, and the ranks still missing are
+        // not to blame.
+        throw FabricError(me_ + ": " + accept_failure(error));
+      }
       transport::set_no_delay(fd.get());
       Joiner j;
       try {
-        j.address = SocketAddress::peer_of(fd.get()).str();
+        j.peer = SocketAddress::peer_of(fd.get());
+        j.address = j.peer->str();
       } catch (const transport::TransportError&) {
         j.address = "(unknown address)";
       }
       j.fd = std::move(fd);
+      j.since = Clock::now();
       joiners_.push_back(std::move(j));
+    }
+  }
+
+  // A genuine rank sends its join request as soon as it is connected: a connection that
+  // has not within the handshake timeout is someone else's (a port scanner, a health
+  // check) and goes, so that strays cannot pile up.
+  void drop_silent_strays(Clock::time_point now) {
+    for (Joiner& j : joiners_) {
+      if (j.stage != Stage::kJoin || now - j.since < handshake_timeout_) continue;
+      strays_.warn(me_ + ": a connection from " + j.address + " sent " + std::to_string(j.offset) + " of " +
+                   std::to_string(kJoinBytes) + " join bytes within " + ms_text(handshake_timeout_) +
+                   "; dropped (not an lgreco rank)");
+      j.stage = Stage::kDropped;
     }
   }
 
@@ -363,14 +440,14 @@ class RendezvousHost {
       if (io.status == IoStatus::kWouldBlock) return;
       if (io.status != IoStatus::kDone) {
         // Not yet a rank of ours: someone connected and left (a port check). Not fatal.
-        LGRECO_WARN("NET", "%s: a connection from %s closed before it joined; ignored", me_.c_str(), j.address.c_str());
+        strays_.warn(me_ + ": a connection from " + j.address + " closed before it joined; ignored");
         j.stage = Stage::kDropped;
         return;
       }
       const Join join = decode_join(j.join.data());
       if (join.magic != kRendezvousMagic) {
-        LGRECO_WARN("NET", "%s: a connection from %s is not an lgreco rank (magic %s); ignored", me_.c_str(),
-                    j.address.c_str(), hex(join.magic).c_str());
+        strays_.warn(me_ + ": a connection from " + j.address + " is not an lgreco rank (magic " + hex(join.magic) +
+                     "); ignored");
         j.stage = Stage::kDropped;
         return;
       }
@@ -392,7 +469,7 @@ class RendezvousHost {
                      j.address + ")");
       j.rank = join.rank;
       Welcome welcome;
-      welcome.comm_id = comm_id_;
+      welcome.comm_id = result_.comm_id;
       welcome.world_size = static_cast<uint32_t>(options_.world_size);
       j.welcome = encode(welcome);
       j.stage = Stage::kWelcome;
@@ -409,10 +486,10 @@ class RendezvousHost {
       const IoResult io = transport::recv_some(j.fd.get(), &j.handle, sizeof j.handle, &j.offset);
       if (io.status == IoStatus::kWouldBlock) return;
       if (io.status != IoStatus::kDone) throw FabricError(lost(j));
-      const std::string why = check_peer_handle(j.handle, comm_id_, j.rank);
+      const std::string why = check_peer_handle(j.handle, result_.comm_id, j.rank);
       if (!why.empty())
         throw FabricError(me_ + ": rank " + std::to_string(j.rank) + " sent an unusable handle: " + why);
-      (*handles_)[static_cast<size_t>(j.rank)] = j.handle;
+      result_.handles[static_cast<size_t>(j.rank)] = j.handle;
       j.stage = Stage::kWaiting;
       ++joined_;
     }
@@ -429,15 +506,41 @@ class RendezvousHost {
            ") during rendezvous (it failed; see its log)";
   }
 
+  // Every rank has joined: rank 0 opens its data listener and the table goes out.
   void start_table() {
-    table_.resize(handles_->size() * sizeof(ListenHandle));
-    std::memcpy(table_.data(), handles_->data(), table_.size());
+    result_.listener = transport::listen(data_address(), {result_.comm_id, 0});
+    result_.handles[0] = result_.listener->handle();
+    table_.resize(result_.handles.size() * sizeof(ListenHandle));
+    std::memcpy(table_.data(), result_.handles.data(), table_.size());
     for (Joiner& j : joiners_) {
       if (j.rank < 0) continue;  // a stray that has not joined
       j.stage = Stage::kTable;
       j.offset = 0;
     }
     table_ready_ = true;
+  }
+
+  // Where rank 0's data listener goes: the address the joiners reached this host at (the
+  // local end of their rendezvous connections), which they can reach again, rather than
+  // MASTER_ADDR as it resolves here. An address that other hosts can reach is preferred
+  // over a loopback one.
+  SocketAddress data_address() const {
+    std::optional<SocketAddress> chosen;
+    const Joiner* remote = nullptr;
+    for (const Joiner& j : joiners_) {
+      if (j.rank < 0) continue;
+      const SocketAddress local = SocketAddress::local_of(j.fd.get()).unmapped();
+      if (!chosen || (chosen->is_loopback() && !local.is_loopback())) chosen = local;
+      if (j.peer && !j.peer->is_loopback()) remote = &j;
+    }
+    if (!chosen) chosen = master_;  // unreachable: start_table runs once every rank has joined
+    if (chosen->is_loopback() && remote)
+      LGRECO_WARN("NET",
+                  "%s: rank 0's data listener is on the loopback address %s, but rank %d connected from %s: ranks "
+                  "on other hosts will not reach it (check the addresses this host's name resolves to)",
+                  me_.c_str(), chosen->str().c_str(), remote->rank, remote->address.c_str());
+    chosen->set_port(0);
+    return *chosen;
   }
 
   std::string timeout_message() const {
@@ -456,14 +559,15 @@ class RendezvousHost {
   const SocketFabricOptions& options_;
   const SocketAddress master_;
   const Clock::time_point deadline_;
+  const milliseconds handshake_timeout_;
   const std::string me_;
   Fd server_;
-  uint64_t comm_id_ = 0;
-  std::vector<ListenHandle>* handles_ = nullptr;
+  Rendezvous result_;
   std::vector<Joiner> joiners_;
   int joined_ = 0;
   bool table_ready_ = false;
   std::vector<uint8_t> table_;
+  WarnLimiter strays_;
 };
 
 // --- Full mesh ------------------------------------------------------------------------
@@ -473,18 +577,33 @@ struct MeshPeer {
   std::unique_ptr<transport::RecvComm> recv;
 };
 
+// Handshakes one rank runs side by side on its data listener; more connections wait in
+// the kernel's backlog until one of these ends (completes, is refused or times out).
+constexpr size_t kMaxHandshakes = 64;
+
 // Every listener exists before its handle leaves its rank, so a refused connection here
 // means a dead peer: no retries, unlike the rendezvous.
 std::vector<MeshPeer> connect_mesh(const SocketFabricOptions& options, Rendezvous& rv, Clock::time_point deadline) {
+  using transport::PendingAccept;
   const int me = options.rank;
   const int world = options.world_size;
   const std::string context = "socket fabric, rank " + std::to_string(me) + ": connecting to the other ranks";
+  const milliseconds handshake_timeout = std::min(options.handshake_timeout, options.timeout);
   std::vector<MeshPeer> peers(static_cast<size_t>(world));
+  // A connection's reply comes when its peer steps its accept, which it does once it has
+  // left rendezvous too: the connects get the whole mesh deadline, and a second more, so
+  // that the mesh's own timeout, which names every missing rank, comes first.
   std::vector<std::unique_ptr<transport::PendingConnect>> connects(static_cast<size_t>(world));
   for (int q = 0; q < world; ++q)
     if (q != me)
-      connects[static_cast<size_t>(q)] = transport::connect(rv.handles[static_cast<size_t>(q)], {rv.comm_id, me});
-  std::unique_ptr<transport::PendingAccept> accepting = rv.listener->accept();
+      connects[static_cast<size_t>(q)] = transport::connect(rv.handles[static_cast<size_t>(q)], {rv.comm_id, me},
+                                                            remaining(deadline) + milliseconds(1000));
+  // Every connection that waits is taken at once and handshakes beside the others, so a
+  // connection that says nothing (a port scanner, a stray process) holds up no rank; it
+  // is dropped at its handshake deadline, or when the mesh is complete.
+  std::unique_ptr<PendingAccept> waiting = rv.listener->accept(handshake_timeout);
+  std::vector<std::unique_ptr<PendingAccept>> handshakes;
+  WarnLimiter dropped;
   int connected = 0, accepted = 0;
 
   std::vector<pollfd> fds;
@@ -500,15 +619,23 @@ std::vector<MeshPeer> connect_mesh(const SocketFabricOptions& options, Rendezvou
         ++connected;
       }
     }
-    while (accepted < world - 1) {
-      const Progress p = accepting->step();
-      if (p == Progress::kPending) break;
+    while (accepted < world - 1 && handshakes.size() < kMaxHandshakes) {
+      waiting->step();
+      if (waiting->stage() == PendingAccept::Stage::kWaitingForConnection) break;  // none waits
+      // accept() itself failing (EMFILE...) is this rank's problem and does not pass.
+      if (waiting->accept_error() != 0) throw FabricError(context + ": " + waiting->error());
+      handshakes.push_back(std::move(waiting));
+      waiting = rv.listener->accept(handshake_timeout);
+    }
+    for (auto& h : handshakes) {
+      const Progress p = h->step();
+      if (p == Progress::kPending) continue;
       if (p == Progress::kError) {
-        // A connection that is not one of this communicator's ranks: someone else's
-        // business. The listener goes on; a real absence ends in the timeout below.
-        LGRECO_WARN("NET", "%s: refused a connection: %s", context.c_str(), accepting->error().c_str());
+        // Not one of this communicator's ranks, or too slow to say so: someone else's
+        // business. A real absence ends in the timeout below.
+        dropped.warn(context + ": dropped a connection: " + h->error());
       } else {
-        std::unique_ptr<transport::RecvComm> comm = accepting->take();
+        std::unique_ptr<transport::RecvComm> comm = h->take();
         const int r = comm->peer_rank();
         if (r < 0 || r >= world || r == me || peers[static_cast<size_t>(r)].recv)
           throw FabricError(context + ": unexpected connection from " + comm->peer_name() +
@@ -516,11 +643,13 @@ std::vector<MeshPeer> connect_mesh(const SocketFabricOptions& options, Rendezvou
         peers[static_cast<size_t>(r)].recv = std::move(comm);
         ++accepted;
       }
-      accepting = rv.listener->accept();
+      h.reset();
     }
-    if (connected == world - 1 && accepted == world - 1) return peers;
+    std::erase(handshakes, nullptr);
+    if (connected == world - 1 && accepted == world - 1) return peers;  // strays still handshaking close here
 
-    if (Clock::now() >= deadline) {
+    const auto now = Clock::now();
+    if (now >= deadline) {
       std::vector<int> to, from;
       for (int q = 0; q < world; ++q) {
         if (q == me) continue;
@@ -533,10 +662,19 @@ std::vector<MeshPeer> connect_mesh(const SocketFabricOptions& options, Rendezvou
                         " (they failed or are stuck; see their logs)");
     }
     fds.clear();
+    auto wake = std::min(deadline, now + milliseconds(100));
     for (const auto& pending : connects)
-      if (pending) fds.push_back({pending->fd(), pending->poll_events(), 0});
-    if (accepted < world - 1) fds.push_back({accepting->fd(), accepting->poll_events(), 0});
-    ::poll(fds.data(), fds.size(), static_cast<int>(std::min(remaining(deadline), milliseconds(100)).count()));
+      if (pending) {
+        fds.push_back({pending->fd(), pending->poll_events(), 0});
+        wake = std::min(wake, pending->deadline());
+      }
+    for (const auto& h : handshakes) {
+      fds.push_back({h->fd(), h->poll_events(), 0});
+      wake = std::min(wake, h->deadline());
+    }
+    if (accepted < world - 1 && handshakes.size() < kMaxHandshakes)
+      fds.push_back({waiting->fd(), waiting->poll_events(), 0});
+    ::poll(fds.data(), fds.size(), static_cast<int>(remaining(wake).count()));
   }
 }
 
@@ -565,6 +703,8 @@ void check_options(const SocketFabricOptions& o) {
     throw std::invalid_argument("socket fabric: rank " + std::to_string(o.rank) + " is not in [0, " +
                                 std::to_string(o.world_size) + ")");
   if (o.timeout.count() <= 0) throw std::invalid_argument("socket fabric: the timeout must be positive");
+  if (o.handshake_timeout.count() <= 0)
+    throw std::invalid_argument("socket fabric: the handshake timeout must be positive");
   if (o.world_size > 1 && o.master_host.empty()) throw std::invalid_argument("socket fabric: no rendezvous host");
   if (o.world_size > 1 && o.master_port == 0) throw std::invalid_argument("socket fabric: rendezvous port 0");
 }
@@ -579,10 +719,36 @@ SocketFabricOptions SocketFabricOptions::from_env() {
         "MASTER_ADDR is not set (the socket fabric reads MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE, as torchrun "
         "sets them)");
   o.master_host = host;
-  o.master_port = static_cast<uint16_t>(env_integer("MASTER_PORT", 1, 65535));
+  const int64_t master_port = env_integer("MASTER_PORT", 1, 65535);
   o.world_size = static_cast<int>(env_integer("WORLD_SIZE", 1, 1 << 20));
   o.rank = static_cast<int>(env_integer("RANK", 0, o.world_size - 1));
   o.timeout = std::chrono::seconds(config::params().timeout_seconds);  // LGRECO_TIMEOUT
+  // The rendezvous port. Under torchrun the agent's TCPStore holds MASTER_PORT on rank
+  // 0's host for the whole job, which the workers learn from
+  // TORCHELASTIC_USE_AGENT_STORE=True: the rendezvous moves to the next port.
+  const config::Params& params = config::params();
+  const char* agent_store = getenv("TORCHELASTIC_USE_AGENT_STORE");
+  if (!params.valid() && params.entry("LGRECO_RENDEZVOUS_PORT")->origin.kind != config::Origin::Kind::kDefault &&
+      params.rendezvous_port == 0)
+    throw std::invalid_argument("LGRECO_RENDEZVOUS_PORT=" + params.entry("LGRECO_RENDEZVOUS_PORT")->value +
+                                ": not a port from 1 to 65535");
+  if (params.rendezvous_port != 0) {
+    o.master_port = static_cast<uint16_t>(params.rendezvous_port);
+    LGRECO_INFO("NET", "socket fabric: rendezvous on port %u (LGRECO_RENDEZVOUS_PORT)",
+                static_cast<unsigned>(o.master_port));
+  } else if (agent_store && (strcmp(agent_store, "True") == 0 || strcmp(agent_store, "true") == 0)) {
+    if (master_port == 65535)
+      throw std::invalid_argument(
+          "MASTER_PORT=65535 is held by torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE=True) and the socket "
+          "fabric's rendezvous would take the next port, which does not exist: set LGRECO_RENDEZVOUS_PORT");
+    o.master_port = static_cast<uint16_t>(master_port + 1);
+    LGRECO_INFO("NET",
+                "socket fabric: torchrun's agent store holds MASTER_PORT=%lld (TORCHELASTIC_USE_AGENT_STORE=True): "
+                "rendezvous on port %u instead (LGRECO_RENDEZVOUS_PORT sets another)",
+                static_cast<long long>(master_port), static_cast<unsigned>(o.master_port));
+  } else {
+    o.master_port = static_cast<uint16_t>(master_port);
+  }
   return o;
 }
 
@@ -637,13 +803,10 @@ SocketFabric::~SocketFabric() = default;
 // counts the call and its wall time however it ends.
 class SocketFabric::Operation {
  public:
-  Operation(SocketFabric& fabric, const char* op) : fabric_(fabric), start_(Clock::now()) { fabric.check_usable(op); }
-  ~Operation() {
-    const double seconds = std::chrono::duration<double>(Clock::now() - start_).count();
-    std::lock_guard<std::mutex> lock(fabric_.mutex_);
-    ++fabric_.counters_.calls;
-    fabric_.counters_.busy_seconds += seconds;
+  Operation(SocketFabric& fabric, const char* op) : fabric_(fabric), start_(Clock::now()) {
+    fabric.begin_operation(op);
   }
+  ~Operation() { fabric_.end_operation(std::chrono::duration<double>(Clock::now() - start_).count()); }
   Operation(const Operation&) = delete;
   Operation& operator=(const Operation&) = delete;
 
@@ -652,11 +815,25 @@ class SocketFabric::Operation {
   const Clock::time_point start_;
 };
 
-void SocketFabric::check_usable(const char* op) const {
+void SocketFabric::begin_operation(const char* op) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!broken_reason_.empty())
     throw FabricError("socket fabric, rank " + std::to_string(rank_) + ": " + op +
                       ": the fabric is broken by an earlier error: " + broken_reason_);
+  in_operation_ = true;
+}
+
+void SocketFabric::end_operation(double seconds) {
+  std::vector<Peer> closing;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++counters_.calls;
+    counters_.busy_seconds += seconds;
+    in_operation_ = false;
+    // abort() from another thread during this operation only shut the sockets down; an
+    // operation that completed all the same leaves the closing to here.
+    if (!broken_reason_.empty()) closing.swap(peers_);
+  }
 }
 
 bool SocketFabric::broken() const {
@@ -665,15 +842,22 @@ bool SocketFabric::broken() const {
 }
 
 void SocketFabric::fail(const char* op, const std::string& detail) {
-  const std::string message = "socket fabric, rank " + std::to_string(rank_) + ": " + op + ": " + detail;
-  LGRECO_WARN("NET", "%s", message.c_str());
+  const std::string prefix = "socket fabric, rank " + std::to_string(rank_) + ": " + op + ": ";
+  std::string message = prefix + detail;
   std::vector<Peer> closing;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    broken_reason_ = message;
-    final_traffic_ = traffic_locked();
+    if (broken_reason_.empty()) {
+      broken_reason_ = message;
+      final_traffic_ = traffic_locked();
+    } else if (!abort_reason_.empty()) {
+      // abort() from another thread shut the sockets down under this operation: that is
+      // the cause, not the closed connection the operation then saw.
+      message = prefix + "aborted from another thread: " + abort_reason_;
+    }
     closing.swap(peers_);
   }
+  LGRECO_WARN("NET", "%s", message.c_str());
   // Closing every connection makes the peers fail at once (their sockets report the
   // close) instead of each waiting out its own timeout.
   closing.clear();
@@ -686,8 +870,21 @@ void SocketFabric::abort(const std::string& why) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!broken_reason_.empty()) return;
     broken_reason_ = "socket fabric, rank " + std::to_string(rank_) + ": aborted: " + why;
+    abort_reason_ = why;
     final_traffic_ = traffic_locked();
-    closing.swap(peers_);
+    if (in_operation_) {
+      // Another thread is inside an operation, using these comms without the lock: do
+      // not close them under it. Shutting the sockets down wakes its poll(), fails its
+      // transfers, and shows the peers a closed connection at once; the operation sees
+      // the flag, throws, and closes the connections itself.
+      for (const Peer& p : peers_) {
+        if (p.send) ::shutdown(p.send->fd(), SHUT_RDWR);
+        if (p.recv) ::shutdown(p.recv->fd(), SHUT_RDWR);
+      }
+      abort_requested_.store(true, std::memory_order_relaxed);
+    } else {
+      closing.swap(peers_);
+    }
   }
   closing.clear();  // closed connections make the peers fail at once
 }
@@ -713,6 +910,19 @@ FabricCounters SocketFabric::counters() const {
 }
 
 void SocketFabric::exchange(const char* op, std::vector<Transfer>& transfers) {
+  try {
+    drive(op, transfers);
+  } catch (const FabricError&) {
+    throw;
+  } catch (const std::exception& e) {
+    // The transport refused a request (std::invalid_argument for a null buffer, a
+    // TransportError...): receives may be posted into the caller's buffers, so the
+    // connections must go, as on any other error.
+    fail(op, std::string("the transport refused a transfer: ") + e.what());
+  }
+}
+
+void SocketFabric::drive(const char* op, std::vector<Transfer>& transfers) {
   // The tag is the exchange's sequence number, the same on every rank as long as they
   // make the same calls; the transport refuses a message with another tag.
   const int tag = next_tag_;
@@ -726,6 +936,7 @@ void SocketFabric::exchange(const char* op, std::vector<Transfer>& transfers) {
   for (const Transfer& t : transfers) watch_[static_cast<size_t>(t.peer)] = {wire_bytes(t.peer), start};
 
   for (;;) {
+    if (abort_requested_.load(std::memory_order_relaxed)) fail(op, "aborted from another thread");
     size_t pending = 0;
     bool unposted = false;
     for (Transfer& t : transfers) {

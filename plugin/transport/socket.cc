@@ -97,6 +97,42 @@ void SocketAddress::set_port(uint16_t port) {
   if (family() == AF_INET6) storage_.v6.sin6_port = htons(port);
 }
 
+SocketAddress SocketAddress::wildcard(int family, uint16_t port) {
+  SocketAddress address;
+  if (family == AF_INET) {
+    address.storage_.v4.sin_family = AF_INET;
+    address.storage_.v4.sin_addr.s_addr = htonl(INADDR_ANY);
+    address.length_ = sizeof(sockaddr_in);
+  } else if (family == AF_INET6) {
+    address.storage_.v6.sin6_family = AF_INET6;
+    address.storage_.v6.sin6_addr = in6addr_any;
+    address.length_ = sizeof(sockaddr_in6);
+  } else {
+    throw TransportError("no wildcard address for address family " + std::to_string(family));
+  }
+  address.set_port(port);
+  return address;
+}
+
+bool SocketAddress::is_loopback() const {
+  if (family() == AF_INET) return (ntohl(storage_.v4.sin_addr.s_addr) >> 24) == 127;
+  if (family() == AF_INET6) {
+    const in6_addr& a = storage_.v6.sin6_addr;
+    return IN6_IS_ADDR_LOOPBACK(&a) || (IN6_IS_ADDR_V4MAPPED(&a) && a.s6_addr[12] == 127);
+  }
+  return false;
+}
+
+SocketAddress SocketAddress::unmapped() const {
+  if (family() != AF_INET6 || !IN6_IS_ADDR_V4MAPPED(&storage_.v6.sin6_addr)) return *this;
+  SocketAddress address;
+  address.storage_.v4.sin_family = AF_INET;
+  address.storage_.v4.sin_port = storage_.v6.sin6_port;
+  std::memcpy(&address.storage_.v4.sin_addr, &storage_.v6.sin6_addr.s6_addr[12], 4);
+  address.length_ = sizeof(sockaddr_in);
+  return address;
+}
+
 bool SocketAddress::is_wildcard() const {
   if (family() == AF_INET) return storage_.v4.sin_addr.s_addr == htonl(INADDR_ANY);
   if (family() == AF_INET6) return IN6_IS_ADDR_UNSPECIFIED(&storage_.v6.sin6_addr);
@@ -122,8 +158,28 @@ namespace {
 
 Fd make_socket(int family) {
   Fd fd(::socket(family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
-  if (!fd.valid()) throw TransportError("cannot create a TCP socket: " + errno_text(errno));
+  if (!fd.valid()) {
+    const int error = errno;
+    throw TransportError("cannot create a TCP socket: " + errno_text(error), error);
+  }
   return fd;
+}
+
+// Errors accept(2) reports for a connection that failed before it was taken (Linux passes
+// the network errors of the new socket on, and tells callers to treat them like EAGAIN).
+bool connection_already_failed(int error) {
+  switch (error) {
+    case ECONNABORTED:
+    case EPROTO:
+    case ENETDOWN:
+    case ENOPROTOOPT:
+    case EHOSTDOWN:
+    case ENONET:
+    case EHOSTUNREACH:
+    case EOPNOTSUPP:
+    case ENETUNREACH: return true;
+    default: return false;
+  }
 }
 
 }  // namespace
@@ -132,13 +188,19 @@ Fd listen_tcp(const SocketAddress& address, bool reuse_address) {
   if (address.empty()) throw TransportError("cannot listen: no address given");
   Fd fd = make_socket(address.family());
   const int one = 1;
-  if (reuse_address && setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one) != 0)
-    throw TransportError("cannot set SO_REUSEADDR on a socket for " + address.str() + ": " + errno_text(errno));
-  if (::bind(fd.get(), address.get(), address.length()) != 0)
-    throw TransportError("cannot bind to " + address.str() + ": " + errno_text(errno));
+  if (reuse_address && setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one) != 0) {
+    const int error = errno;
+    throw TransportError("cannot set SO_REUSEADDR on a socket for " + address.str() + ": " + errno_text(error), error);
+  }
+  if (::bind(fd.get(), address.get(), address.length()) != 0) {
+    const int error = errno;
+    throw TransportError("cannot bind to " + address.str() + ": " + errno_text(error), error);
+  }
   // SOMAXCONN: a rank-0 rendezvous listener may see every rank of a large job at once.
-  if (::listen(fd.get(), SOMAXCONN) != 0)
-    throw TransportError("cannot listen on " + address.str() + ": " + errno_text(errno));
+  if (::listen(fd.get(), SOMAXCONN) != 0) {
+    const int error = errno;
+    throw TransportError("cannot listen on " + address.str() + ": " + errno_text(error), error);
+  }
   return fd;
 }
 
@@ -160,18 +222,25 @@ int connect_result(int fd) {
 }
 
 Fd accept_tcp(int listen_fd, int* error) {
-  for (;;) {
+  // Bounded, so that a flood of connections reset before they are taken cannot hold the
+  // caller here: after that many, report "none waiting" and let it poll again.
+  for (int skipped = 0; skipped < 64;) {
     Fd fd(::accept4(listen_fd, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC));
     if (fd.valid()) {
       *error = 0;
       return fd;
     }
     if (errno == EINTR) continue;
-    // Errors of the new connection that accept() reports (it was reset before we took
-    // it): there is nothing to accept, as with EAGAIN.
-    *error = (errno == EWOULDBLOCK || errno == ECONNABORTED || errno == EPROTO) ? EAGAIN : errno;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) break;
+    if (connection_already_failed(errno)) {
+      ++skipped;  // that connection is gone; the next one may be fine
+      continue;
+    }
+    *error = errno;
     return Fd();
   }
+  *error = EAGAIN;
+  return Fd();
 }
 
 void set_no_delay(int fd) {

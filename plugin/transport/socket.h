@@ -24,9 +24,16 @@ namespace lgreco::transport {
 // Thrown where something cannot even start (no socket, cannot bind, a malformed handle).
 // Progress on something already started is reported by return values instead, because
 // the net-plugin ABI adapter maps those to NCCL's status codes on every call.
+// error_number() is the errno of the failed system call (0 when there was none), so that
+// a caller can tell a port in use (EADDRINUSE) from other failures.
 class TransportError : public std::runtime_error {
  public:
-  using std::runtime_error::runtime_error;
+  explicit TransportError(const std::string& what, int error_number = 0)
+      : std::runtime_error(what), error_number_(error_number) {}
+  int error_number() const { return error_number_; }
+
+ private:
+  int error_number_;
 };
 
 // strerror(error) as a std::string (thread-safe).
@@ -71,6 +78,8 @@ class SocketAddress {
   // From raw sockaddr bytes, e.g. out of a handle that came over the wire: nothing unless
   // the length fits and matches the family it claims.
   static std::optional<SocketAddress> from_bytes(const void* data, size_t length);
+  // The wildcard address (0.0.0.0 or ::) of `family` (AF_INET or AF_INET6) with `port`.
+  static SocketAddress wildcard(int family, uint16_t port);
   // The local (getsockname) and remote (getpeername) address of a socket. Throw
   // TransportError.
   static SocketAddress local_of(int fd);
@@ -84,6 +93,11 @@ class SocketAddress {
   void set_port(uint16_t port);
   // 0.0.0.0 or ::, which a listener may bind to but a peer cannot connect to.
   bool is_wildcard() const;
+  // 127.0.0.0/8, ::1, or ::ffff:127.x.y.z: an address only this host can reach.
+  bool is_loopback() const;
+  // The IPv4 address an IPv4-mapped IPv6 address (::ffff:a.b.c.d) stands for, as a
+  // sockaddr_in; any other address unchanged.
+  SocketAddress unmapped() const;
   // "127.0.0.1:29500" or "[::1]:29500"; "(none)" when empty.
   std::string str() const;
 
@@ -111,7 +125,10 @@ Fd start_connect(const SocketAddress& address, int* error);
 int connect_result(int fd);
 
 // Accepts one waiting connection on a listening socket, non-blocking. An invalid Fd with
-// *error = EAGAIN means that none is waiting; other errors are real.
+// *error = EAGAIN means that none is waiting. Connections that failed before they were
+// taken (ECONNABORTED, EPROTO and the other network errors accept(2) passes on) are
+// skipped. Any other *error is the listener's own problem (EMFILE, ENFILE, ENOBUFS,
+// ENOMEM, EINVAL): it does not go away by calling again at once.
 Fd accept_tcp(int listen_fd, int* error);
 
 // TCP_NODELAY on a connected socket: every message here is a header the peer waits for,

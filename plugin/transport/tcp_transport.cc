@@ -26,6 +26,22 @@ std::string peer_description(int rank, const std::string& address) {
   return rank == kUnknownRank ? address : "rank " + std::to_string(rank) + " at " + address;
 }
 
+std::string ms_text(std::chrono::milliseconds t) { return std::to_string(t.count()) + " ms"; }
+
+void check_timeout(const char* what, std::chrono::milliseconds timeout) {
+  if (timeout.count() <= 0)
+    throw std::invalid_argument(std::string(what) + ": the handshake timeout must be positive, not " +
+                                ms_text(timeout));
+}
+
+// After `timeout` from now, saturating (a timeout of years must not wrap around).
+std::chrono::steady_clock::time_point deadline_after(std::chrono::milliseconds timeout) {
+  const auto now = std::chrono::steady_clock::now();
+  const auto room =
+      std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::time_point::max() - now);
+  return timeout >= room ? std::chrono::steady_clock::time_point::max() : now + timeout;
+}
+
 int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
       .count();
@@ -495,17 +511,24 @@ std::unique_ptr<Listener> listen(const SocketAddress& address, const Identity& s
 
 Listener::~Listener() = default;
 
-std::unique_ptr<PendingAccept> Listener::accept() { return std::unique_ptr<PendingAccept>(new PendingAccept(this)); }
+std::unique_ptr<PendingAccept> Listener::accept(std::chrono::milliseconds handshake_timeout) {
+  check_timeout("accept", handshake_timeout);
+  return std::unique_ptr<PendingAccept>(new PendingAccept(this, handshake_timeout));
+}
 
 // --- Connecting -----------------------------------------------------------------------
 
-std::unique_ptr<PendingConnect> connect(const ListenHandle& handle, const Identity& self) {
+std::unique_ptr<PendingConnect> connect(const ListenHandle& handle, const Identity& self,
+                                        std::chrono::milliseconds timeout) {
+  check_timeout("connect", timeout);
   const std::string why = check_handle(handle);
   if (!why.empty()) throw TransportError("cannot connect: " + why);
   if (handle.comm_id != self.comm_id)
     throw TransportError("cannot connect: the listen handle of " + handle_address(handle) +
                          " belongs to communicator " + hex(handle.comm_id) + ", this endpoint to " + hex(self.comm_id));
   std::unique_ptr<PendingConnect> pending(new PendingConnect());
+  pending->timeout_ = timeout;
+  pending->deadline_ = deadline_after(timeout);
   pending->self_ = self;
   pending->handle_ = handle;
   pending->peer_name_ = peer_description(handle.rank, handle_address(handle));
@@ -548,6 +571,24 @@ short PendingConnect::poll_events() const {
 }
 
 Progress PendingConnect::step() {
+  const Progress progress = advance();
+  if (progress != Progress::kPending || std::chrono::steady_clock::now() < deadline_) return progress;
+  switch (stage_) {
+    case Stage::kConnecting:
+      return fail("cannot connect to " + peer_name_ + " within " + ms_text(timeout_) +
+                  " (no answer to the TCP connection: a host that drops packets, a firewall, or a wrong address)");
+    case Stage::kSendingHello:
+      return fail("handshake with " + peer_name_ + ": the hello could not be sent within " + ms_text(timeout_) +
+                  " (the peer takes no data)");
+    default:
+      return fail(peer_name_ + " did not answer the handshake within " + ms_text(timeout_) + " (" +
+                  std::to_string(offset_) + " of " + std::to_string(sizeof reply_) +
+                  " reply bytes; it is not accepting connections now: stuck, slow to call accept, busy with "
+                  "another connection, or not an lgreco endpoint)");
+  }
+}
+
+Progress PendingConnect::advance() {
   if (stage_ == Stage::kConnecting) {
     // A non-blocking connect has finished when the socket turns writable; SO_ERROR then
     // says how.
@@ -658,12 +699,28 @@ Progress PendingAccept::refuse(uint32_t reason, std::string message) {
 }
 
 Progress PendingAccept::step() {
+  const Progress progress = advance();
+  if (progress != Progress::kPending || std::chrono::steady_clock::now() < deadline_) return progress;
+  if (stage_ == Stage::kReceivingHello)
+    return fail("the connection from " + peer_address_ + " sent " + std::to_string(offset_) + " of " +
+                std::to_string(sizeof hello_) + " handshake bytes within " + ms_text(timeout_) +
+                " and was closed (not an lgreco endpoint, or stuck)");
+  return fail("handshake with " + peer_description(peer_rank_, peer_address_) +
+              ": the reply could not be sent within " + ms_text(timeout_) + " (the peer takes no data)");
+}
+
+Progress PendingAccept::advance() {
   if (stage_ == Stage::kWaitingForConnection) {
     int error = 0;
     Fd fd = accept_tcp(listener_->fd(), &error);
     if (!fd.valid()) {
       if (error == EAGAIN) return Progress::kPending;
-      return fail("accepting a connection on " + listener_->address().str() + " failed: " + errno_text(error));
+      accept_error_ = error;
+      const bool out_of_descriptors = error == EMFILE || error == ENFILE;
+      return fail("accept() on " + listener_->address().str() + " failed: " + errno_text(error) +
+                  (out_of_descriptors ? " (this process or the system is out of file descriptors: raise the limit, "
+                                        "ulimit -n)"
+                                      : " (a problem of this process or host, not of the peer)"));
     }
     try {
       peer_address_ = SocketAddress::peer_of(fd.get()).str();
@@ -674,6 +731,7 @@ Progress PendingAccept::step() {
     fd_ = std::move(fd);
     stage_ = Stage::kReceivingHello;
     offset_ = 0;
+    deadline_ = deadline_after(timeout_);
   }
   if (stage_ == Stage::kReceivingHello) {
     const IoResult io = recv_some(fd_.get(), hello_, sizeof hello_, &offset_);

@@ -31,10 +31,45 @@
 // Room for later (net-plugin issue): several sockets per connection (the handle and the
 // handshake already carry a socket count and index; today both are 1 and 0) and helper
 // threads for large messages.
+//
+// Known limits (left for a later issue; read before writing the NCCL net-plugin adapter):
+//  - Grouped receives match only the oldest posted request. A message whose tag has no
+//    unfilled buffer in the head request is an error, even when a later request has
+//    one. NCCL's proxy groups the subs that share a recvComm (PXN) into one irecv, one
+//    tag per sub, and posts the next group before the first completes, while the
+//    sending side posts each sub's steps on its own: sub A's step k+1 can arrive before
+//    sub B's step k, and the connection fails. Matching must become per tag across all
+//    posted requests (in order per tag) before grouped receives are offered to NCCL.
+//  - CommCounters::busy_ns is not a bandwidth denominator: it counts time with any
+//    request in flight, so a receive posted ahead that waits 1 s for its peer makes a
+//    1 MiB message look like 1 MB/s; and it is added only when the queue drains, so a
+//    comm that always has a request posted (NCCL's proxy keeps several) reports 0.
+//  - One PendingAccept takes one connection at a time, in backlog order: a connection
+//    that says nothing holds it until its handshake deadline (then it fails, with
+//    accept_error() == 0), and genuine connectors queued behind may time out meanwhile.
+//    The socket fabric runs many accepts side by side; the adapter, which NCCL asks for
+//    one accept per connection, should start a new accept() after a peer's failure
+//    instead of failing NCCL's accept, and choose its handshake timeouts: a connector's
+//    deadline includes the time until the peer calls accept(), which NCCL does not bound.
+//  - One socket per connection and no helper threads (above): throughput is that of one
+//    TCP stream, moved by whoever calls test().
+//  - A rendezvous joiner (socket fabric) that reaches a service which accepts and stays
+//    silent (another program on the port) waits for the whole timeout before it fails.
+//  - The rendezvous carries no job identity: two jobs on one host with the same port can
+//    admit each other's ranks (the second job's rank 0 fails to bind; its other ranks may
+//    join the first). A token (TORCHELASTIC_RUN_ID or a parameter) in the join message
+//    would refuse them.
+//  - The hello carries no per-connection id: once a connection has several sockets, a
+//    listener that accepts from several senders cannot tell which sockets belong
+//    together (the reserved bytes can hold a random id).
+//  - No TCP keepalive or TCP_USER_TIMEOUT: a connection whose peer host vanishes while it
+//    only receives waits forever in the transport (the socket fabric bounds it with its
+//    own timeout; the adapter must too).
 #pragma once
 
 #include <poll.h>
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -59,6 +94,11 @@ inline constexpr int kUnknownRank = -1;
 // The largest message isend accepts; anything bigger is a caller's arithmetic gone wrong
 // (a negative count turned unsigned), not a gradient.
 inline constexpr uint64_t kMaxMessageBytes = uint64_t{1} << 40;
+// How long a handshake may take by default: on the accepting side from taking the
+// connection to a complete valid hello (a genuine connector sends it at once), on the
+// connecting side from connect() to the listener's reply (which includes the time the
+// peer takes to call accept() and step it).
+inline constexpr std::chrono::milliseconds kDefaultHandshakeTimeout{5000};
 
 // Who an endpoint is: its communicator (a job-wide random id) and its rank in it.
 struct Identity {
@@ -201,8 +241,10 @@ class Listener {
   int fd() const { return fd_.get(); }
 
   // Starts accepting the next connection. The returned object must not outlive this
-  // listener. Several may be pending at once; each takes one connection.
-  std::unique_ptr<PendingAccept> accept();
+  // listener. Several may be pending at once; each takes one connection, and each
+  // connection it takes must complete the handshake (send a valid hello and take the
+  // reply) within `handshake_timeout`, or it is closed and the PendingAccept fails.
+  std::unique_ptr<PendingAccept> accept(std::chrono::milliseconds handshake_timeout = kDefaultHandshakeTimeout);
 
  private:
   friend std::unique_ptr<Listener> listen(const SocketAddress&, const Identity&);
@@ -231,16 +273,22 @@ class PendingConnect {
   // What to poll for before stepping again (-1 and 0 once done or failed).
   int fd() const { return fd_.get(); }
   short poll_events() const;
+  // When the handshake times out: step() at or after it fails with a message saying so.
+  // Poll no longer than until then.
+  std::chrono::steady_clock::time_point deadline() const { return deadline_; }
   // The connection, once step() reported kDone; nullptr otherwise or a second time.
   std::unique_ptr<SendComm> take();
 
  private:
-  friend std::unique_ptr<PendingConnect> connect(const ListenHandle&, const Identity&);
+  friend std::unique_ptr<PendingConnect> connect(const ListenHandle&, const Identity&, std::chrono::milliseconds);
   PendingConnect() = default;
+  Progress advance();  // step() without the deadline
   Progress fail(std::string message);
   Progress check_reply();
 
   Stage stage_ = Stage::kConnecting;
+  std::chrono::milliseconds timeout_{0};
+  std::chrono::steady_clock::time_point deadline_;
   Fd fd_;
   Identity self_;
   ListenHandle handle_{};
@@ -253,13 +301,19 @@ class PendingConnect {
 };
 
 // Connects endpoint `self` to the listener that published `handle`. Does not block: the
-// connection is made by step(). Throws TransportError when the handle is unusable or
-// names another communicator (self.comm_id); a refused connection is reported by step().
-std::unique_ptr<PendingConnect> connect(const ListenHandle& handle, const Identity& self);
+// connection is made by step(), which fails unless the TCP connection, the hello and the
+// listener's reply are all done within `timeout` (a listener host that drops packets, a
+// listener that never accepts, or one that never answers). Throws TransportError when the
+// handle is unusable or names another communicator (self.comm_id); a refused connection
+// is reported by step().
+std::unique_ptr<PendingConnect> connect(const ListenHandle& handle, const Identity& self,
+                                        std::chrono::milliseconds timeout = kDefaultHandshakeTimeout);
 
 // A connection being accepted: waiting for a sender, then the handshake. A connection
-// that is not an lgreco endpoint of this communicator fails this object (the listener
-// stays usable: start another accept()).
+// that is not an lgreco endpoint of this communicator, or that does not complete the
+// handshake within the listener's handshake timeout, fails this object (the listener
+// stays usable: start another accept()). So does a failure of accept() itself
+// (accept_error() says which).
 class PendingAccept {
  public:
   enum class Stage { kWaitingForConnection, kReceivingHello, kSendingReply, kDone, kFailed };
@@ -268,18 +322,30 @@ class PendingAccept {
   Progress step();
   Stage stage() const { return stage_; }
   const std::string& error() const { return error_; }
+  // After kError: the errno of a failed accept() call (EMFILE, ENFILE, ENOBUFS, ...),
+  // which is this process's problem and fails every later accept() too; 0 when the
+  // failure was the peer's (refused, closed, or too slow).
+  int accept_error() const { return accept_error_; }
   int fd() const;
   short poll_events() const;
+  // While handshaking: when the handshake times out (step() at or after it fails);
+  // time_point::max() while waiting for a connection, which may take any time.
+  std::chrono::steady_clock::time_point deadline() const { return deadline_; }
   std::unique_ptr<RecvComm> take();
 
  private:
   friend class Listener;
-  explicit PendingAccept(const Listener* listener) : listener_(listener) {}
+  PendingAccept(const Listener* listener, std::chrono::milliseconds handshake_timeout)
+      : listener_(listener), timeout_(handshake_timeout) {}
+  Progress advance();  // step() without the deadline
   Progress fail(std::string message);
   Progress refuse(uint32_t reason, std::string message);
   Progress check_hello();
 
   const Listener* listener_;
+  const std::chrono::milliseconds timeout_;
+  std::chrono::steady_clock::time_point deadline_ = std::chrono::steady_clock::time_point::max();
+  int accept_error_ = 0;
   Stage stage_ = Stage::kWaitingForConnection;
   Fd fd_;
   std::string peer_address_;

@@ -1,11 +1,15 @@
-// The TCP transport: handles, the handshake (accepted and every kind of refusal),
-// messages from 0 bytes to 64 MiB, tags, several requests in flight, the fixed request
-// pool, and the errors of a receive too small, a closed peer and a corrupt stream.
+// The TCP transport: handles, the handshake (accepted, every kind of refusal, and the
+// deadlines of both ends), a failing accept() told apart from a refused peer, messages
+// from 0 bytes to 64 MiB, tags, several requests in flight, the fixed request pool, and
+// the errors of a receive too small, a closed peer and a corrupt stream.
 //
 // One thread drives both ends of a connection (nothing blocks), so no test needs
 // threads. Misbehaving peers are plain sockets that write wire bytes by hand. Every loop
 // is bounded in time; only 127.0.0.1 is used.
+#include <sys/socket.h>
+
 #include <boost/test/unit_test.hpp>
+#include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <random>
@@ -382,6 +386,74 @@ BOOST_AUTO_TEST_CASE(connect_reports_a_listener_that_is_gone_or_not_lgreco) {
   raw_send(accepted.get(), banner.data(), banner.size());
   BOOST_TEST((finish(*to_foreign) == Progress::kError));
   BOOST_TEST(contains(to_foreign->error(), "is not an lgreco endpoint"), to_foreign->error());
+}
+
+BOOST_AUTO_TEST_CASE(a_silent_connection_fails_its_accept_at_the_deadline_and_the_listener_goes_on) {
+  // A raw peer sends 20 bytes of a hello and then nothing: its accept fails at the
+  // handshake deadline, not never (which held every later connection up behind it).
+  auto listener = listen(loopback(), {kCommId, 1});
+  Fd stray = raw_connect(listener->address());
+  uint8_t partial[20] = {};
+  raw_send(stray.get(), partial, sizeof partial);
+  auto accepting = listener->accept(100ms);
+  BOOST_TEST((accepting->deadline() == std::chrono::steady_clock::time_point::max()));  // no connection yet
+  const auto start = std::chrono::steady_clock::now();
+  const Progress p = finish(*accepting, 3000ms);
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  BOOST_TEST((p == Progress::kError));
+  BOOST_TEST(took >= 0.09);
+  BOOST_TEST(took < 1.5);
+  BOOST_TEST(accepting->accept_error() == 0);  // the peer's fault, not the listener's
+  BOOST_TEST(contains(accepting->error(), "sent 20 of 48 handshake bytes within 100 ms and was closed"),
+             accepting->error());
+  BOOST_TEST(raw_recv(stray.get(), 1).empty());  // closed: the stray reads end of stream
+
+  // The next connection, a genuine one, goes through.
+  auto connecting = connect(listener->handle(), {kCommId, 0}, 2000ms);
+  auto next = listener->accept(2000ms);
+  finish_both(*connecting, *next);
+  BOOST_TEST((next->stage() == PendingAccept::Stage::kDone), next->error());
+  BOOST_TEST((connecting->stage() == PendingConnect::Stage::kDone), connecting->error());
+  BOOST_TEST((next->deadline() != std::chrono::steady_clock::time_point::max()));
+
+  BOOST_CHECK_THROW(listener->accept(0ms), std::invalid_argument);
+  BOOST_CHECK_THROW(connect(listener->handle(), {kCommId, 0}, -1ms), std::invalid_argument);
+}
+
+BOOST_AUTO_TEST_CASE(connect_gives_up_when_no_reply_comes_by_its_deadline) {
+  // The kernel completes the TCP connection into the listener's backlog, but nobody ever
+  // accepts it: the connector used to wait for the reply forever.
+  auto listener = listen(loopback(), {kCommId, 1});
+  auto connecting = connect(listener->handle(), {kCommId, 0}, 100ms);
+  const auto start = std::chrono::steady_clock::now();
+  const Progress p = finish(*connecting, 3000ms);
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  BOOST_TEST((p == Progress::kError));
+  BOOST_TEST(took >= 0.09);
+  BOOST_TEST(took < 1.5);
+  BOOST_TEST(contains(connecting->error(), "rank 1 at 127.0.0.1:"), connecting->error());
+  BOOST_TEST(contains(connecting->error(), "did not answer the handshake within 100 ms (0 of 32 reply bytes"),
+             connecting->error());
+}
+
+BOOST_AUTO_TEST_CASE(a_failing_accept_call_is_told_apart_from_a_refused_peer) {
+  auto listener = listen(loopback(), {kCommId, 1});
+  // A peer that is refused: the listener is fine.
+  Fd raw = raw_connect(listener->address());
+  const std::vector<uint8_t> garbage(wire::kHelloBytes, 0x5a);
+  raw_send(raw.get(), garbage.data(), garbage.size());
+  auto refused = listener->accept();
+  BOOST_TEST((finish(*refused) == Progress::kError));
+  BOOST_TEST(refused->accept_error() == 0);
+
+  // accept() itself failing (here EINVAL: a listening socket that was shut down; in
+  // production EMFILE and the like): the listener's own problem, with the errno.
+  BOOST_REQUIRE(::shutdown(listener->fd(), SHUT_RDWR) == 0);
+  auto failing = listener->accept();
+  BOOST_TEST((failing->step() == Progress::kError));
+  BOOST_TEST(failing->accept_error() == EINVAL);
+  BOOST_TEST(contains(failing->error(), "accept() on 127.0.0.1:"), failing->error());
+  BOOST_TEST(contains(failing->error(), errno_text(EINVAL)), failing->error());
 }
 
 BOOST_AUTO_TEST_CASE(messages_of_0_bytes_to_64_MiB_arrive_intact) {
