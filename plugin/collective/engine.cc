@@ -1,7 +1,6 @@
 #include "plugin/collective/engine.h"
 
 #include <algorithm>
-#include <cinttypes>
 #include <cstring>
 #include <new>
 #include <stdexcept>
@@ -173,12 +172,54 @@ struct Engine::CallTiming {
   double quant_elements = 0;    // elements of quantized layers in the call
   double encoded_bytes = 0;
 
+  void start_codec(Backend& backend) { codec[codecs][0] = backend.mark(); }
+  void stop_codec(Backend& backend) { codec[codecs++][1] = backend.mark(); }
+  void start_exchange(Backend& backend) { exchange[exchanges][0] = backend.mark(); }
+  void stop_exchange(Backend& backend) { exchange[exchanges++][1] = backend.mark(); }
   void release(Backend& backend) const {
     for (int i = 0; i < exchanges; ++i) backend.release_mark(exchange[i][0]), backend.release_mark(exchange[i][1]);
     for (int i = 0; i < codecs; ++i) backend.release_mark(codec[i][0]), backend.release_mark(codec[i][1]);
   }
   uint64_t last_mark() const { return codecs ? codec[codecs - 1][1] : exchange[exchanges - 1][1]; }
 };
+
+namespace {
+
+// The byte counts of one bucket's exchanges under its current plan, and the scratch they
+// need: computed once per assignment, the same numbers the calls then use.
+struct ExchangeSizes {
+  std::vector<uint64_t> send_bytes, send_offset, recv_bytes;  // sra's all-to-all, per rank
+  std::vector<uint64_t> gather_bytes;                         // the all-gather, per rank
+  uint64_t send = 0, recv = 0, acc = 0, reencoded = 0, gathered = 0;  // scratch bytes
+
+  ExchangeSizes(const Plan& plan, Algorithm algorithm, int n, int me, uint64_t count) {
+    if (algorithm == Algorithm::kAllGather) {
+      gather_bytes.assign(n, plan.total_bytes);
+      send = plan.total_bytes;
+      gathered = plan.total_bytes * n;
+      acc = count * 4;
+      return;
+    }
+    // sra: every partition but this rank's own goes to its owner, back to back in rank order.
+    const Partition& mine = plan.partitions[me];
+    send_bytes.resize(n);
+    send_offset.resize(n);
+    recv_bytes.resize(n);
+    for (int q = 0; q < n; ++q) {
+      send_offset[q] = send;
+      send_bytes[q] = q == me ? 0 : plan.partitions[q].bytes;
+      recv_bytes[q] = q == me ? 0 : mine.bytes;
+      send += send_bytes[q];
+    }
+    gather_bytes = plan.partition_bytes();
+    recv = mine.bytes * (n - 1);
+    acc = mine.count() * 4;
+    reencoded = mine.bytes;
+    gathered = plan.total_bytes;
+  }
+};
+
+}  // namespace
 
 struct Engine::BucketState {
   uint32_t layer_base = 0;            // global index of layer 0 (noise keys)
@@ -192,6 +233,7 @@ struct Engine::BucketState {
   Plan plan;   // the current algorithm's plan (P partitions for sra, 1 for all-gather)
   Plan whole;  // whole layers, one partition
   Algorithm algorithm = Algorithm::kAllGather;
+  std::optional<ExchangeSizes> sizes;  // of plan
   double quant_elements = 0;  // elements of layers whose codec quantizes
 };
 
@@ -359,20 +401,12 @@ void Engine::switch_to(std::shared_ptr<const controller::Assignment> assignment)
                                                                     : Algorithm::kScatterReduceAllGather;
     if (s.algorithm == Algorithm::kAllGather) {
       s.plan = s.whole;
-      send = std::max(send, s.plan.total_bytes);
-      gathered = std::max(gathered, s.plan.total_bytes * n);
-      acc = std::max(acc, layout.count * uint64_t{4});
       // A later return to sra must not find a residual many steps old.
       s.owner_residual.reset();
       s.owner_begin = s.owner_end = 0;
     } else {
       s.plan = make_plan(layout, s.codecs, static_cast<uint32_t>(n));
       const Partition& mine = s.plan.partitions[fabric_.rank()];
-      send = std::max(send, s.plan.total_bytes - mine.bytes);
-      recv = std::max(recv, mine.bytes * (n - 1));
-      acc = std::max(acc, mine.count() * 4);
-      reencoded = std::max(reencoded, mine.bytes);
-      gathered = std::max(gathered, s.plan.total_bytes);
       // The owner's residual follows its partition: elements it keeps keep their residual.
       if (options_.error_feedback && (!s.owner_residual || s.owner_begin != mine.begin || s.owner_end != mine.end)) {
         auto next = backend_.allocate(mine.count() * 4);
@@ -385,6 +419,12 @@ void Engine::switch_to(std::shared_ptr<const controller::Assignment> assignment)
         s.owner_end = mine.end;
       }
     }
+    s.sizes.emplace(s.plan, s.algorithm, n, fabric_.rank(), layout.count);
+    send = std::max(send, s.sizes->send);
+    recv = std::max(recv, s.sizes->recv);
+    acc = std::max(acc, s.sizes->acc);
+    reencoded = std::max(reencoded, s.sizes->reencoded);
+    gathered = std::max(gathered, s.sizes->gathered);
     if (options_.error_feedback && !s.residual) s.residual = backend_.allocate(layout.count * 4);
     if (!s.flags) s.flags = backend_.allocate(layout.layers.size());
   }
@@ -667,97 +707,92 @@ void Engine::submit_window() {
 // ---------------------------------------------------------------------------------------
 // The algorithms
 
+// Where a rank's own encoding's errors go: under ncclAvg the sum is divided by P
+// afterwards, so such an error reaches the output divided by P (weight 1/P^2); the
+// owner's re-encoding of the average reaches it as it is.
+Backend::Measure Engine::first_stage_measure(const Sample& sample, ReduceOp op) const {
+  Backend::Measure m = sample.measure;
+  const double n = fabric_.size();
+  if (op == ReduceOp::kAvg) m.weight = 1.0 / (n * n);
+  return m;
+}
+
 void Engine::all_gather(BucketState& b, const EngineCall& call, Sample* sample, CallTiming& timing) {
   const Plan& plan = b.plan;
+  const ExchangeSizes& sizes = *b.sizes;
   const int n = fabric_.size();
   const ElementSpan input{const_cast<void*>(call.send), call.dtype, 0};
   float* residual = b.residual ? static_cast<float*>(b.residual->data()) : nullptr;
   uint8_t* flags = residual ? static_cast<uint8_t*>(b.flags->data()) : nullptr;
-  uint8_t* send = scratch(kSend, plan.total_bytes);
-  uint8_t* gathered = scratch(kGathered, plan.total_bytes * n);
-  auto* acc = reinterpret_cast<float*>(scratch(kAcc, call.count * 4));
+  uint8_t* send = scratch(kSend, sizes.send);
+  uint8_t* gathered = scratch(kGathered, sizes.gathered);
+  auto* acc = reinterpret_cast<float*>(scratch(kAcc, sizes.acc));
   const NoiseBase noise{options_.seed, static_cast<uint32_t>(fabric_.rank()), call.step, b.layer_base};
 
-  // Every rank's quantization error reaches the output (divided by P for an average):
-  // the candidates are measured on exactly what this rank encodes.
-  if (sample) {
-    Backend::Measure m = sample->measure;
-    if (call.op == ReduceOp::kAvg) m.weight = 1.0 / (static_cast<double>(n) * n);
-    backend_.measure(plan, plan.segments, input, residual, 0, m);
-  }
-  timing.codec[timing.codecs][0] = backend_.mark();
+  // Every rank's quantization error reaches the output: the candidates are measured on
+  // exactly what this rank encodes.
+  if (sample) backend_.measure(plan, plan.segments, input, residual, 0, first_stage_measure(*sample, call.op));
+  timing.start_codec(backend_);
   if (flags) backend_.find_nonfinite(plan, plan.segments, input, flags);
   backend_.encode(plan, plan.segments, input, residual, 0, flags, noise, send, 0);
-  timing.codec[timing.codecs++][1] = backend_.mark();
+  timing.stop_codec(backend_);
 
   const uint64_t sent_before = fabric_.counters().bytes_sent;
-  timing.exchange[timing.exchanges][0] = backend_.mark();
-  fabric_.all_gather_v(send, std::vector<uint64_t>(n, plan.total_bytes), gathered);
-  timing.exchange[timing.exchanges++][1] = backend_.mark();
+  timing.start_exchange(backend_);
+  fabric_.all_gather_v(send, sizes.gather_bytes, gathered);
+  timing.stop_exchange(backend_);
   counters_.wire_bytes_sent += fabric_.counters().bytes_sent - sent_before;
 
-  timing.codec[timing.codecs][0] = backend_.mark();
+  timing.start_codec(backend_);
   backend_.fill_zero(acc, call.count * 4);
   const ElementSpan sum{acc, DType::kFloat32, 0};
   for (int p = 0; p < n; ++p)  // rank order: every rank adds the same values in the same order
     backend_.decode_accumulate(plan, plan.segments, gathered, p * plan.total_bytes, sum);
   if (call.op == ReduceOp::kAvg) backend_.divide(acc, call.count, static_cast<float>(n));
   backend_.narrow(acc, call.count, ElementSpan{call.recv, call.dtype, 0});
-  timing.codec[timing.codecs++][1] = backend_.mark();
+  timing.stop_codec(backend_);
 }
 
 void Engine::reduce_scatter_allgather(BucketState& b, const EngineCall& call, Sample* sample, CallTiming& timing) {
   const Plan& plan = b.plan;
+  const ExchangeSizes& sizes = *b.sizes;
   const int n = fabric_.size(), me = fabric_.rank();
   const Partition& mine = plan.partitions[me];
   const ElementSpan input{const_cast<void*>(call.send), call.dtype, 0};
   float* residual = b.residual ? static_cast<float*>(b.residual->data()) : nullptr;
   uint8_t* flags = residual ? static_cast<uint8_t*>(b.flags->data()) : nullptr;
-
-  // Stage 1: encode every partition but this rank's own, back to back in rank order.
-  std::vector<uint64_t> send_bytes(n), recv_bytes(n);
-  std::vector<uint64_t> send_offset(n);
-  uint64_t at = 0;
-  for (int q = 0; q < n; ++q) {
-    send_offset[q] = at;
-    send_bytes[q] = q == me ? 0 : plan.partitions[q].bytes;
-    recv_bytes[q] = q == me ? 0 : mine.bytes;
-    at += send_bytes[q];
-  }
-  uint8_t* send = scratch(kSend, at);
-  uint8_t* recv = scratch(kRecv, mine.bytes * (n - 1));
-  auto* acc = reinterpret_cast<float*>(scratch(kAcc, mine.count() * 4));
-  uint8_t* reencoded = scratch(kReencoded, mine.bytes);
-  uint8_t* gathered = scratch(kGathered, plan.total_bytes);
+  uint8_t* send = scratch(kSend, sizes.send);
+  uint8_t* recv = scratch(kRecv, sizes.recv);
+  auto* acc = reinterpret_cast<float*>(scratch(kAcc, sizes.acc));
+  uint8_t* reencoded = scratch(kReencoded, sizes.reencoded);
+  uint8_t* gathered = scratch(kGathered, sizes.gathered);
 
   // The output's error is this stage's error on every partition a rank sends plus the
   // owners' re-encoding error: the candidates are measured on both, so that the
   // controller's budget covers both quantizations (segments are whole buckets of every
   // candidate: plan.h, layer_granule).
-  // Under ncclAvg the sum is divided by P before the re-encoding: a stage-1 error reaches
-  // the output divided by P, the re-encoding's as it is.
   if (sample) {
-    Backend::Measure m = sample->measure;
-    if (call.op == ReduceOp::kAvg) m.weight = 1.0 / (static_cast<double>(n) * n);
+    const Backend::Measure first = first_stage_measure(*sample, call.op);
     for (int q = 0; q < n; ++q)
-      if (q != me) backend_.measure(plan, plan.segments_of(plan.partitions[q]), input, residual, 0, m);
+      if (q != me) backend_.measure(plan, plan.segments_of(plan.partitions[q]), input, residual, 0, first);
   }
-  timing.codec[timing.codecs][0] = backend_.mark();
+  // Stage 1: encode every partition but this rank's own, back to back in rank order.
+  timing.start_codec(backend_);
   if (flags) backend_.find_nonfinite(plan, plan.segments, input, flags);
   const NoiseBase noise{options_.seed, static_cast<uint32_t>(me), call.step, b.layer_base};
   for (int q = 0; q < n; ++q)
     if (q != me)
       backend_.encode(plan, plan.segments_of(plan.partitions[q]), input, residual, 0, flags, noise, send,
-                      send_offset[q]);
-  timing.codec[timing.codecs++][1] = backend_.mark();
+                      sizes.send_offset[q]);
+  timing.stop_codec(backend_);
 
   const uint64_t sent_before = fabric_.counters().bytes_sent;
-  timing.exchange[timing.exchanges][0] = backend_.mark();
-  fabric_.all_to_all_v(send, send_bytes, recv, recv_bytes);
-  timing.exchange[timing.exchanges++][1] = backend_.mark();
+  timing.start_exchange(backend_);
+  fabric_.all_to_all_v(send, sizes.send_bytes, recv, sizes.recv_bytes);
+  timing.stop_exchange(backend_);
 
   // The owner's sum, in rank order; its own contribution exact (it never travels).
-  timing.codec[timing.codecs][0] = backend_.mark();
+  timing.start_codec(backend_);
   const auto own = plan.segments_of(mine);
   const ElementSpan sum{acc, DType::kFloat32, mine.begin};
   backend_.fill_zero(acc, mine.count() * 4);
@@ -772,27 +807,27 @@ void Engine::reduce_scatter_allgather(BucketState& b, const EngineCall& call, Sa
   }
   if (call.op == ReduceOp::kAvg) backend_.divide(acc, mine.count(), static_cast<float>(n));
   float* owner_residual = b.owner_residual ? static_cast<float*>(b.owner_residual->data()) : nullptr;
-  timing.codec[timing.codecs++][1] = backend_.mark();
+  timing.stop_codec(backend_);
   if (sample) backend_.measure(plan, own, sum, owner_residual, mine.begin, sample->measure);
   // Stage 2: re-encode the sum with the owner's residual (its own noise stream).
-  timing.codec[timing.codecs][0] = backend_.mark();
+  timing.start_codec(backend_);
   NoiseBase reencode = noise;
   reencode.rank = NoiseBase::kReencodeRankBit | static_cast<uint32_t>(me);
   backend_.encode(plan, own, sum, owner_residual, mine.begin, nullptr, reencode, reencoded, 0);
-  timing.codec[timing.codecs++][1] = backend_.mark();
+  timing.stop_codec(backend_);
 
-  timing.exchange[timing.exchanges][0] = backend_.mark();
-  fabric_.all_gather_v(reencoded, plan.partition_bytes(), gathered);
-  timing.exchange[timing.exchanges++][1] = backend_.mark();
+  timing.start_exchange(backend_);
+  fabric_.all_gather_v(reencoded, sizes.gather_bytes, gathered);
+  timing.stop_exchange(backend_);
   counters_.wire_bytes_sent += fabric_.counters().bytes_sent - sent_before;
 
-  timing.codec[timing.codecs][0] = backend_.mark();
+  timing.start_codec(backend_);
   uint64_t offset = 0;
   for (const Partition& p : plan.partitions) {
     backend_.decode(plan, plan.segments_of(p), gathered, offset, ElementSpan{call.recv, call.dtype, 0});
     offset += p.bytes;
   }
-  timing.codec[timing.codecs++][1] = backend_.mark();
+  timing.stop_codec(backend_);
 }
 
 }  // namespace lgreco::collective

@@ -174,6 +174,7 @@ class Engine {
   void reduce_scatter_allgather(BucketState& b, const EngineCall& call, Sample* sample, CallTiming& timing);
   void all_gather(BucketState& b, const EngineCall& call, Sample* sample, CallTiming& timing);
   uint8_t* scratch(int which, uint64_t bytes);
+  Backend::Measure first_stage_measure(const Sample& sample, ReduceOp op) const;
 
   EngineOptions options_;
   std::vector<BucketLayout> buckets_;
