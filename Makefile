@@ -43,14 +43,14 @@ NVCCFLAGS := -std=c++20 -O3 -g -I. --fmad=false -ccbin $(CXX) \
 # library adds plugin/library.cc (load-time logging and the exported entry points).
 
 CORE_SRCS := $(wildcard config/*.cc) $(wildcard controller/*.cc) \
-             $(filter-out kernels/cuda_env_none.cc,$(wildcard kernels/*.cc)) \
+             $(filter-out %_none.cc,$(wildcard kernels/*.cc)) \
              $(wildcard plugin/transport/*.cc) $(wildcard plugin/collective/*.cc) \
              $(wildcard plugin/shim/*.cc)
 ifeq ($(HAVE_CUDA),1)
 CU_SRCS   := $(wildcard kernels/*.cu)
 CUDA_LIBS := $(CUDA_HOME)/lib64/libcudart_static.a -ldl -lrt
 else
-CORE_SRCS += kernels/cuda_env_none.cc
+CORE_SRCS += $(wildcard kernels/*_none.cc)
 CU_SRCS   :=
 CUDA_LIBS :=
 endif

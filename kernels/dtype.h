@@ -18,7 +18,7 @@ namespace lgreco {
 // Values are part of the .lgc file format (docs/FORMAT.md): never renumber.
 enum class DType : uint32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
-constexpr size_t dtype_size(DType t) { return t == DType::kFloat32 ? 4 : 2; }
+LGRECO_HD constexpr size_t dtype_size(DType t) { return t == DType::kFloat32 ? 4 : 2; }
 const char* dtype_name(DType t);
 std::optional<DType> parse_dtype(std::string_view name);  // "float32", "float16", "bfloat16"
 bool is_valid_dtype(uint32_t raw);

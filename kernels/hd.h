@@ -10,3 +10,12 @@
 #else
 #define LGRECO_HD inline __attribute__((always_inline))
 #endif
+
+// Fully unrolls the loop that follows on the device, where register arrays indexed by
+// the loop variable must see constant indices (a run-time index moves the array to local
+// memory). No effect on the host.
+#if defined(__CUDA_ARCH__)
+#define LGRECO_UNROLL _Pragma("unroll")
+#else
+#define LGRECO_UNROLL
+#endif

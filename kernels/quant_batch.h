@@ -1,0 +1,38 @@
+// Host side of the CUDA quantization kernels: checks a batch's jobs and splits them into
+// launches (job tables passed by value, warp::JobTable). Pure C++, no CUDA: the checks and
+// the split are unit-tested on any machine, and the launchers in quant_cuda.cu only
+// launch what this produces.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "kernels/codec_spec.h"
+#include "kernels/quant_cuda.h"
+#include "kernels/quant_warp.h"
+
+namespace lgreco::quant::cuda {
+
+// The job tables of an encode or decode batch: jobs in order, empty ones dropped, at most
+// warp::kMaxJobsPerLaunch per table. Throws CodecError naming the job and what is wrong
+// (`what` prefixes the message, e.g. "quant cuda encode").
+std::vector<warp::JobTable> codec_tables(std::span<const Job> jobs, const char* what);
+
+// One launch of the statistics: the candidates sharing one bucket size (plus every `none`
+// candidate, in the first launch only), their columns in the output rows, and its tables.
+struct StatsLaunch {
+  uint32_t bucket = 0;
+  std::vector<warp::StatsCandidate> candidates;
+  std::vector<uint32_t> columns;  // candidates[i] is column columns[i] of the output rows
+  bool has_quant = false;
+  std::vector<warp::JobTable> tables;
+};
+// Throws CodecError on an invalid candidate, more than kMaxStatsCandidates, a family the
+// kernels do not measure, or a job not on a bucket boundary of every candidate.
+std::vector<StatsLaunch> stats_launches(std::span<const Job> jobs, std::span<const CodecSpec> candidates,
+                                        const char* what);
+// Scratch the launches need: the largest (work items x candidates) float array of any table.
+uint64_t stats_scratch_bytes(const std::vector<StatsLaunch>& launches);
+
+}  // namespace lgreco::quant::cuda

@@ -1,0 +1,299 @@
+// CUDA kernels of the quantization codec. The per-bucket programs live in quant_warp.h
+// (shared with the CPU-side emulation tests); this file maps warps to buckets, picks the
+// template instance for the element type, and launches on the caller's stream.
+//
+// One warp per bucket: a block of kWarpsPerBlock warps takes kWarpsPerBlock consecutive
+// work items (buckets) of the launch's job table. Built with --fmad=false (Makefile), and
+// quant_math.h spells out the rounding with __f*_rn, so no operation is contracted into
+// an FMA that the CPU reference does not have.
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "kernels/quant.h"
+#include "kernels/quant_batch.h"
+#include "kernels/quant_cuda.h"
+#include "kernels/quant_warp.h"
+
+namespace lgreco::quant::cuda {
+namespace {
+
+using warp::JobTable;
+using warp::KernelJob;
+
+constexpr uint32_t kWarpsPerBlock = 8;
+constexpr uint32_t kBlockThreads = kWarpsPerBlock * warp::kLanes;
+constexpr uint32_t kReduceThreads = 256;
+
+// The hardware warp, for the programs of quant_warp.h. Every lane of the warp takes part
+// in every collective (the programs keep their branches around them warp-uniform).
+struct DeviceWarp {
+  __device__ __forceinline__ uint32_t lane() const { return threadIdx.x % warp::kLanes; }
+  __device__ __forceinline__ uint32_t ballot(bool p) const { return __ballot_sync(0xffffffffu, p); }
+  __device__ __forceinline__ float shfl_xor(float v, int m) const { return __shfl_xor_sync(0xffffffffu, v, m); }
+  __device__ __forceinline__ uint32_t shfl_xor(uint32_t v, int m) const {
+    return __shfl_xor_sync(0xffffffffu, v, m);
+  }
+};
+
+// The work item of this warp, or false when the warp has none (the grid is rounded up to
+// whole blocks). Uniform across the warp.
+__device__ __forceinline__ bool my_work(const JobTable& table, uint32_t& work) {
+  work = blockIdx.x * kWarpsPerBlock + threadIdx.x / warp::kLanes;
+  return work < table.total_work;
+}
+
+// Two blocks of 8 warps per multiprocessor at least: caps registers at 128, which the
+// encoder fits without spilling (ptxas -v), and keeps 16 warps' loads in flight.
+template <DType T, bool kResidual>
+__global__ void __launch_bounds__(kBlockThreads, 2) encode_kernel(const __grid_constant__ JobTable table,
+                                                               const __grid_constant__ warp::EncodeArgs args) {
+  uint32_t work;
+  if (!my_work(table, work)) return;
+  const KernelJob& job = table.jobs[warp::find_job(table, work)];
+  warp::encode_bucket<T, kResidual>(DeviceWarp{}, args, job, work - job.work_begin);
+}
+
+template <DType T, bool kAccumulate>
+__global__ void __launch_bounds__(kBlockThreads) decode_kernel(const __grid_constant__ JobTable table,
+                                                               const __grid_constant__ warp::DecodeArgs args) {
+  uint32_t work;
+  if (!my_work(table, work)) return;
+  const KernelJob& job = table.jobs[warp::find_job(table, work)];
+  warp::decode_bucket<T, kAccumulate>(DeviceWarp{}, args, job, work - job.work_begin);
+}
+
+template <DType T, bool kResidual, uint32_t kCapacity>
+__global__ void __launch_bounds__(kBlockThreads, 2) stats_kernel(const __grid_constant__ JobTable table,
+                                                                 const __grid_constant__ warp::StatsArgs args) {
+  uint32_t work;
+  if (!my_work(table, work)) return;
+  const KernelJob& job = table.jobs[warp::find_job(table, work)];
+  warp::stats_bucket<T, kResidual, kCapacity>(DeviceWarp{}, args, job, work - job.work_begin, work);
+}
+
+struct ReduceArgs {
+  const float* partial;   // work items x candidate_count
+  uint32_t candidate_count;
+  uint32_t columns[warp::kMaxCandidates];
+  uint32_t row_stride;    // candidates in an output row
+  double* squared;
+  double weight;
+};
+
+// Block c adds candidate c's per-bucket partial sums of each job, in double, into the
+// job's output row: a fixed summation order (deterministic results), and one writer per
+// output element even when several jobs share a layer (they are summed in job order).
+__global__ void __launch_bounds__(kReduceThreads) stats_reduce_kernel(const __grid_constant__ JobTable table,
+                                                                      const __grid_constant__ ReduceArgs args) {
+  __shared__ double sums[kReduceThreads];
+  const uint32_t c = blockIdx.x;
+  for (uint32_t j = 0; j < table.count; ++j) {
+    const KernelJob& job = table.jobs[j];
+    const uint32_t buckets = static_cast<uint32_t>(warp::bucket_count_of(job));
+    double local = 0.0;
+    for (uint32_t i = threadIdx.x; i < buckets; i += kReduceThreads)
+      local += static_cast<double>(args.partial[static_cast<uint64_t>(job.work_begin + i) * args.candidate_count + c]);
+    sums[threadIdx.x] = local;
+    __syncthreads();
+    for (uint32_t half = kReduceThreads / 2; half > 0; half /= 2) {
+      if (threadIdx.x < half) sums[threadIdx.x] += sums[threadIdx.x + half];
+      __syncthreads();
+    }
+    if (threadIdx.x == 0)
+      args.squared[static_cast<uint64_t>(job.layer) * args.row_stride + args.columns[c]] += args.weight * sums[0];
+    __syncthreads();
+  }
+}
+
+void check_launch(const char* kernel) {
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess)
+    throw CudaError(std::string("lgreco: launching ") + kernel + " failed: " + cudaGetErrorName(e) + ": " +
+                    cudaGetErrorString(e));
+}
+
+dim3 grid_for(const JobTable& t) { return dim3((t.total_work + kWarpsPerBlock - 1) / kWarpsPerBlock); }
+
+template <DType T>
+void launch_encode(const JobTable& t, const warp::EncodeArgs& a, bool residual, cudaStream_t s) {
+  if (residual)
+    encode_kernel<T, true><<<grid_for(t), kBlockThreads, 0, s>>>(t, a);
+  else
+    encode_kernel<T, false><<<grid_for(t), kBlockThreads, 0, s>>>(t, a);
+  check_launch("the quant encode kernel");
+}
+
+template <DType T>
+void launch_decode(const JobTable& t, const warp::DecodeArgs& a, bool accumulate, cudaStream_t s) {
+  if (accumulate)
+    decode_kernel<DType::kFloat32, true><<<grid_for(t), kBlockThreads, 0, s>>>(t, a);
+  else
+    decode_kernel<T, false><<<grid_for(t), kBlockThreads, 0, s>>>(t, a);
+  check_launch(accumulate ? "the quant decode-accumulate kernel" : "the quant decode kernel");
+}
+
+// Up to 8 candidates (the usual: bits 2..8 and none) in a smaller register footprint.
+template <DType T, uint32_t kCapacity>
+void launch_stats_sized(const JobTable& t, const warp::StatsArgs& a, cudaStream_t s) {
+  if (a.residual)
+    stats_kernel<T, true, kCapacity><<<grid_for(t), kBlockThreads, 0, s>>>(t, a);
+  else
+    stats_kernel<T, false, kCapacity><<<grid_for(t), kBlockThreads, 0, s>>>(t, a);
+  check_launch("the quant statistics kernel");
+}
+
+template <DType T>
+void launch_stats(const JobTable& t, const warp::StatsArgs& a, cudaStream_t s) {
+  if (a.candidate_count <= 8)
+    launch_stats_sized<T, 8>(t, a, s);
+  else
+    launch_stats_sized<T, warp::kMaxCandidates>(t, a, s);
+}
+
+void require(bool ok, const char* what, const char* message) {
+  if (!ok) throw CodecError(std::string(what) + ": " + message);
+}
+
+bool has_elements(std::span<const Job> jobs) {
+  for (const Job& j : jobs)
+    if (j.count > 0) return true;
+  return false;
+}
+
+void run_decode(const DecodeBatch& batch, bool accumulate, cudaStream_t stream) {
+  const char* what = accumulate ? "quant cuda decode_accumulate" : "quant cuda decode";
+  const std::vector<JobTable> tables = codec_tables(batch.jobs, what);
+  if (tables.empty()) return;
+  require(batch.payload && batch.output, what, "payload and output must not be null");
+  require(reinterpret_cast<uintptr_t>(batch.payload) % 4 == 0, what, "the payload must be 4-byte aligned");
+  require(is_valid_dtype(static_cast<uint32_t>(batch.output_dtype)), what, "invalid output element type");
+  require(!accumulate || batch.output_dtype == DType::kFloat32, what, "accumulators must be float32");
+  const warp::DecodeArgs args{batch.payload, batch.output};
+  for (const JobTable& t : tables) {
+    switch (batch.output_dtype) {
+      case DType::kFloat32: launch_decode<DType::kFloat32>(t, args, accumulate, stream); break;
+      case DType::kFloat16: launch_decode<DType::kFloat16>(t, args, accumulate, stream); break;
+      case DType::kBFloat16: launch_decode<DType::kBFloat16>(t, args, accumulate, stream); break;
+    }
+  }
+}
+
+Job single_job(const QuantParams& p, uint64_t count, uint64_t first_element) {
+  Job job;
+  job.count = count;
+  job.first_element = first_element;
+  job.params = p;
+  return job;
+}
+
+void check_bytes(const QuantParams& p, uint64_t bytes, uint64_t count, const char* what) {
+  p.validate();
+  const uint64_t need = encoded_bytes(p, count);
+  if (bytes < need)
+    throw CodecError(std::string(what) + ": buffer of " + std::to_string(bytes) + " bytes is too small for " +
+                     std::to_string(count) + " values with bits=" + std::to_string(p.bits) +
+                     ", bucket=" + std::to_string(p.bucket) + " (needs " + std::to_string(need) + ")");
+}
+
+}  // namespace
+
+bool available() { return true; }
+
+void encode(const EncodeBatch& batch, Stream stream) {
+  const char* what = "quant cuda encode";
+  const std::vector<JobTable> tables = codec_tables(batch.jobs, what);
+  if (tables.empty()) return;
+  require(batch.input && batch.payload, what, "input and payload must not be null");
+  require(reinterpret_cast<uintptr_t>(batch.payload) % 4 == 0, what, "the payload must be 4-byte aligned");
+  require(is_valid_dtype(static_cast<uint32_t>(batch.input_dtype)), what, "invalid input element type");
+  const warp::EncodeArgs args{batch.input, batch.residual, batch.skip_residual, batch.payload, batch.noise,
+                              batch.nonfinite_buckets};
+  const bool residual = batch.residual != nullptr;
+  for (const JobTable& t : tables) {
+    switch (batch.input_dtype) {
+      case DType::kFloat32: launch_encode<DType::kFloat32>(t, args, residual, stream); break;
+      case DType::kFloat16: launch_encode<DType::kFloat16>(t, args, residual, stream); break;
+      case DType::kBFloat16: launch_encode<DType::kBFloat16>(t, args, residual, stream); break;
+    }
+  }
+}
+
+void decode(const DecodeBatch& batch, Stream stream) { run_decode(batch, false, stream); }
+void decode_accumulate(const DecodeBatch& batch, Stream stream) { run_decode(batch, true, stream); }
+
+uint64_t stats_scratch_bytes(std::span<const Job> jobs, std::span<const CodecSpec> candidates) {
+  return stats_scratch_bytes(stats_launches(jobs, candidates, "quant cuda stats_scratch_bytes"));
+}
+
+void squared_errors(const StatsBatch& batch, Stream stream) {
+  const char* what = "quant cuda squared_errors";
+  const std::vector<StatsLaunch> launches = stats_launches(batch.jobs, batch.candidates, what);
+  if (!has_elements(batch.jobs) || launches.empty()) return;
+  require(batch.input && batch.squared && batch.nonfinite, what, "input, squared and nonfinite must not be null");
+  require(is_valid_dtype(static_cast<uint32_t>(batch.input_dtype)), what, "invalid input element type");
+  const uint64_t need = stats_scratch_bytes(launches);
+  if (batch.scratch == nullptr || batch.scratch_bytes < need)
+    throw CodecError(std::string(what) + ": scratch of " + std::to_string(batch.scratch_bytes) +
+                     " bytes is too small (needs " + std::to_string(need) + ", see stats_scratch_bytes)");
+  for (const StatsLaunch& launch : launches) {
+    warp::StatsArgs args{};
+    args.input = batch.input;
+    args.residual = batch.residual;
+    args.nonfinite = batch.nonfinite;
+    args.partial = static_cast<float*>(batch.scratch);
+    args.candidate_count = static_cast<uint32_t>(launch.candidates.size());
+    args.has_quant = launch.has_quant;
+    ReduceArgs reduce{};
+    reduce.partial = args.partial;
+    reduce.candidate_count = args.candidate_count;
+    reduce.row_stride = static_cast<uint32_t>(batch.candidates.size());
+    reduce.squared = batch.squared;
+    reduce.weight = batch.weight;
+    for (size_t c = 0; c < launch.candidates.size(); ++c) {
+      args.candidates[c] = launch.candidates[c];
+      reduce.columns[c] = launch.columns[c];
+    }
+    for (const JobTable& t : launch.tables) {
+      switch (batch.input_dtype) {
+        case DType::kFloat32: launch_stats<DType::kFloat32>(t, args, stream); break;
+        case DType::kFloat16: launch_stats<DType::kFloat16>(t, args, stream); break;
+        case DType::kBFloat16: launch_stats<DType::kBFloat16>(t, args, stream); break;
+      }
+      stats_reduce_kernel<<<args.candidate_count, kReduceThreads, 0, stream>>>(t, reduce);
+      check_launch("the quant statistics reduction kernel");
+    }
+  }
+}
+
+void encode(const QuantParams& params, const NoiseKey& noise, DType dtype, const Slice& device_input,
+            float* device_residual, uint8_t* device_out, uint64_t out_bytes, Stream stream,
+            unsigned long long* device_nonfinite_buckets) {
+  check_bytes(params, out_bytes, device_input.count, "quant cuda encode");
+  const Job job = single_job(params, device_input.count, device_input.first_element);
+  EncodeBatch batch;
+  batch.jobs = std::span<const Job>(&job, 1);
+  batch.input = device_input.data;
+  batch.input_dtype = dtype;
+  batch.residual = device_residual;
+  batch.payload = device_out;
+  batch.noise = noise;
+  batch.nonfinite_buckets = device_nonfinite_buckets;
+  encode(batch, stream);
+}
+
+void decode(const QuantParams& params, const uint8_t* device_in, uint64_t in_bytes, uint64_t count, DType out_dtype,
+            void* device_out, Stream stream) {
+  check_bytes(params, in_bytes, count, "quant cuda decode");
+  const Job job = single_job(params, count, 0);
+  decode(DecodeBatch{std::span<const Job>(&job, 1), device_in, device_out, out_dtype}, stream);
+}
+
+void decode_accumulate(const QuantParams& params, const uint8_t* device_in, uint64_t in_bytes, uint64_t count,
+                       float* device_acc, Stream stream) {
+  check_bytes(params, in_bytes, count, "quant cuda decode_accumulate");
+  const Job job = single_job(params, count, 0);
+  decode_accumulate(DecodeBatch{std::span<const Job>(&job, 1), device_in, device_acc, DType::kFloat32}, stream);
+}
+
+}  // namespace lgreco::quant::cuda

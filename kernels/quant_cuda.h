@@ -1,0 +1,129 @@
+// CUDA kernels of the quantization codec: the same bytes as the CPU reference (quant.h),
+// on the GPU.
+//
+// Every function here only launches: it enqueues kernels on the caller's stream, allocates
+// nothing, never synchronises, and so may be called during CUDA graph capture. Pointers
+// named device_* / in the batches are device memory (or memory the device can address).
+// Arguments are checked on the host before anything is launched (CodecError names what
+// is wrong); a launch the runtime refuses throws CudaError with the runtime's message.
+// Faults inside a kernel surface, as always with CUDA, at the caller's next synchronisation.
+//
+// Calls are batched: one launch encodes (decodes, measures) many slices of many layers,
+// each with its own parameters, so that a bucket of a hundred layers costs one launch,
+// not a hundred. A batch's jobs address the call's arrays by element and byte offsets, as
+// the engine's plans do (plugin/collective/plan.h). Byte-for-byte and element-for-element
+// what each job does is quant::encode / decode / decode_accumulate of quant.h on its slice.
+//
+// Built without CUDA (no nvcc), available() is false and every other function throws.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <stdexcept>
+
+#include "kernels/codec_spec.h"
+#include "kernels/dtype.h"
+#include "kernels/noise.h"
+#include "kernels/slice.h"
+
+struct CUstream_st;
+
+namespace lgreco::quant::cuda {
+
+// A cudaStream_t (nullptr: the legacy default stream).
+using Stream = CUstream_st*;
+
+// A CUDA runtime call failed; the message names the call, the kernel and the runtime's
+// error string.
+class CudaError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// True when this build carries the kernels (nvcc was found at build time).
+bool available();
+
+// One slice of one layer: elements [first_element, first_element + count) of the layer,
+// which sit at element_offset in the batch's element arrays (input, residual, output)
+// and whose payload (quant::encoded_bytes(params, count) bytes) sits at byte_offset in
+// the batch's payload buffer. first_element must be a multiple of params.bucket.
+struct Job {
+  uint64_t element_offset = 0;
+  uint64_t count = 0;
+  uint64_t first_element = 0;
+  uint64_t byte_offset = 0;
+  // The layer's index within the batch: its noise key's layer is the batch key's layer
+  // plus this, and it indexes skip_residual (encode) and the statistics' rows.
+  uint32_t layer = 0;
+  QuantParams params;
+};
+
+struct EncodeBatch {
+  std::span<const Job> jobs;
+  const void* input = nullptr;  // float32, float16 or bfloat16 elements
+  DType input_dtype = DType::kFloat32;
+  // Error feedback when not null: float32, indexed like input; for each finite bucket it
+  // becomes (input + residual) - decoded, as quant::encode does.
+  float* residual = nullptr;
+  // Device bytes, one per layer index, or null: a layer whose byte is nonzero is encoded
+  // without its residual, which stays untouched (an overflow step, see docs/ENGINE.md).
+  const uint8_t* skip_residual = nullptr;
+  uint8_t* payload = nullptr;
+  // Rounding noise: job j uses {seed, rank, step, layer + jobs[j].layer}.
+  NoiseKey noise;
+  // Device counter or null: increased by the number of non-finite buckets (those holding a
+  // NaN or an infinity after the residual is added, or whose range overflows).
+  unsigned long long* nonfinite_buckets = nullptr;
+};
+void encode(const EncodeBatch& batch, Stream stream);
+
+struct DecodeBatch {
+  std::span<const Job> jobs;
+  const uint8_t* payload = nullptr;
+  // decode: output_dtype elements (float32, or float16/bfloat16 rounded to nearest even);
+  // decode_accumulate: float32 accumulators, output_dtype must be float32.
+  void* output = nullptr;
+  DType output_dtype = DType::kFloat32;
+};
+void decode(const DecodeBatch& batch, Stream stream);
+// output[i] += decoded value i in float32; a non-finite bucket sets its elements to NaN.
+void decode_accumulate(const DecodeBatch& batch, Stream stream);
+
+// Error statistics of up to kMaxStatsCandidates candidates (none and quant) on every job,
+// in one read of the input per distinct candidate bucket size. jobs' params are ignored;
+// each job's first_element must be a multiple of every candidate's bucket.
+constexpr size_t kMaxStatsCandidates = 16;
+struct StatsBatch {
+  std::span<const Job> jobs;
+  std::span<const CodecSpec> candidates;
+  const void* input = nullptr;
+  DType input_dtype = DType::kFloat32;
+  const float* residual = nullptr;  // the values measured are input + residual
+  // Device, layers x candidates.size() (row = Job::layer): weight x the squared error of
+  // candidate c on the job is ADDED to squared[layer * candidates.size() + c], as the
+  // engine's Backend::measure does. quant::squared_errors defines the value; the GPU's
+  // agrees within the tolerance docs/KERNELS.md states (it multiplies by a reciprocal
+  // where the CPU divides, and sums in another order), and is deterministic.
+  double* squared = nullptr;
+  // Device, one byte per layer index: set to 1 where the layer's values were not finite
+  // (its squared errors are then +inf); never cleared here.
+  uint8_t* nonfinite = nullptr;
+  double weight = 1.0;
+  // Device scratch of at least stats_scratch_bytes(jobs, candidates) bytes, for per-bucket
+  // partial sums; may be reused once the launches that used it have run.
+  void* scratch = nullptr;
+  uint64_t scratch_bytes = 0;
+};
+uint64_t stats_scratch_bytes(std::span<const Job> jobs, std::span<const CodecSpec> candidates);
+void squared_errors(const StatsBatch& batch, Stream stream);
+
+// One slice, the shape of quant.h's functions (a batch of one job at offset 0).
+void encode(const QuantParams& params, const NoiseKey& noise, DType dtype, const Slice& device_input,
+            float* device_residual, uint8_t* device_out, uint64_t out_bytes, Stream stream,
+            unsigned long long* device_nonfinite_buckets = nullptr);
+void decode(const QuantParams& params, const uint8_t* device_in, uint64_t in_bytes, uint64_t count, DType out_dtype,
+            void* device_out, Stream stream);
+void decode_accumulate(const QuantParams& params, const uint8_t* device_in, uint64_t in_bytes, uint64_t count,
+                       float* device_acc, Stream stream);
+
+}  // namespace lgreco::quant::cuda
