@@ -339,6 +339,8 @@ LGRECO_HD void encode_bucket(const W& w, const EncodeArgs& a, const KernelJob& j
   // Pass 2: codes, bit planes and the new residual.
   const bool ranged = meta.unit > 0.0f;  // else a constant bucket: every code is 0
   const bool stochastic = job.stochastic != 0;
+  NoiseKey noise = a.noise;
+  noise.layer += job.layer;
   const uint32_t writer_group = lane / static_cast<uint32_t>(bits);
   const uint32_t writer_plane = lane % static_cast<uint32_t>(bits);
   const bool writer = lane < kGroupsPerChunk * static_cast<uint32_t>(bits);
@@ -362,7 +364,7 @@ LGRECO_HD void encode_bucket(const W& w, const EncodeArgs& a, const KernelJob& j
       const uint32_t valid = clamp_valid(window_valid, offset);
       float threshold[kLaneElements] = {kNearestThreshold, kNearestThreshold, kNearestThreshold, kNearestThreshold};
       if (stochastic && ranged && valid > 0) {
-        const PhiloxBlock block = noise_block(a.noise, (layer_first + window_first + offset) / kLaneElements);
+        const PhiloxBlock block = noise_block(noise, (layer_first + window_first + offset) / kLaneElements);
         LGRECO_UNROLL
         for (uint32_t s = 0; s < kLaneElements; ++s) threshold[s] = uniform24(block.v[s]);
       }
