@@ -160,6 +160,17 @@ $(TEST_BIN): $(TEST_OBJS) $(CORE_LIB)
 
 $(TEST_OBJS): CPPFLAGS += -DBOOST_TEST_DYN_LINK
 
+# The CUDA kernels against the CPU reference, and their throughput, on a GPU
+# (tests/gpu/quant_cuda_check.cc; run by tests/gpu/run.sh codec). Built with CUDA only,
+# and by `make test` so that CI compiles it; nothing runs it there (it needs a GPU).
+ifeq ($(HAVE_CUDA),1)
+GPU_CHECK_BIN := $(BUILD)/bin/lgreco-gpu-codec-check
+$(call obj,tests/gpu/quant_cuda_check.cc): CPPFLAGS += -isystem $(CUDA_HOME)/include
+$(GPU_CHECK_BIN): $(call obj,tests/gpu/quant_cuda_check.cc) $(CORE_LIB)
+	@mkdir -p $(@D)
+	$(CXX) -o $@ $< $(CORE_LIB) $(CUDA_LIBS) -ldl -pthread
+endif
+
 # The multi-threaded parts, built again with ThreadSanitizer: the controller's solver
 # thread, and the engine with the in-process and socket fabrics (ranks as threads).
 # No CUDA. No target_clones: their ifunc resolvers run before the sanitizer's runtime is up.
@@ -184,7 +195,7 @@ $(TSAN_BIN): $(TSAN_OBJS)
 # file-format suites run the built binaries and $(PYTHON).
 # deps runs first even under -j: the build starts from the recipe, after it.
 test: deps
-	@$(MAKE) --no-print-directory all $(TEST_BIN)
+	@$(MAKE) --no-print-directory all $(TEST_BIN) $(GPU_CHECK_BIN)
 	LGRECO_TEST_BIN_DIR=$(CURDIR)/$(BUILD)/bin LGRECO_TEST_LIB=$(CURDIR)/$(LIB) LGRECO_TEST_PYTHON=$(PYTHON) \
 	LGRECO_TEST_NCCL_LIB=$(NCCL_HOME)/lib64/libnccl.so LGRECO_TEST_SOURCE_DIR=$(CURDIR) \
 	  $(TEST_BIN) --report_level=short --log_level=warning

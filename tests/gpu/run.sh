@@ -10,8 +10,13 @@
 #   register   tools/lgreco-register and its tests on the machine's torch 2.x; the
 #              example models' layouts compared with the committed (torch 1.13) ones;
 #              the layout of DDP on CUDA with NCCL against the CLI's CPU/gloo file
+#   codec      the CUDA quantization kernels (build/bin/lgreco-gpu-codec-check, built
+#              here): --check against the CPU reference, one compute-sanitizer memcheck
+#              pass of --check --quick (when compute-sanitizer is there and works), and
+#              --bench; the bench table is printed after the summary. About 3 minutes
+#              on an H200, most of it a cold build; every step is bounded (9 at most)
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../.." || exit 2
 OUT=${OUT:-/tmp/lgreco-gpu}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
@@ -19,6 +24,7 @@ export PYTHONUNBUFFERED=1 LGRECO_DEBUG=NONE
 JOBS=$(nproc 2>/dev/null || echo 4)
 
 rows=()
+appendix=()  # files printed after the table (the bench's)
 # row SECTION CHECK RESULT DETAIL
 row() { rows+=("$(printf '%-9s %-34s %-5s %s' "$1" "$2" "$3" "$4")"); echo "[$1] $2: $3 $4"; }
 failed=0
@@ -79,12 +85,139 @@ PYEOF
   done
 }
 
+# The CUDA toolkit: $CUDA_HOME, /usr/local/cuda, or wherever the nvcc on PATH lives.
+cuda_home() {
+  local h=${CUDA_HOME:-/usr/local/cuda} nvcc
+  if [[ ! -x "$h/bin/nvcc" ]] && nvcc=$(command -v nvcc 2>/dev/null); then
+    h=$(dirname "$(dirname "$(readlink -f "$nvcc")")")
+  fi
+  echo "$h"
+}
+
+# The last line of a log, shortened, for a table row.
+last_line() { tail -n 1 "$1" 2>/dev/null | cut -c1-100; }
+
+# The codec section's steps share one deadline (LGRECO_GPU_CODEC_SECONDS, default 540 s):
+# whatever hangs or crawls, the section ends in time and reports what it could do.
+# Expected on an H200: build 1-2 min cold, --check ~10 s, memcheck ~1 min, --bench ~15 s.
+codec_deadline=0
+# step_time CAP: the timeout of the next step, CAP or what is left if less; 0 when under 20 s.
+step_time() {
+  local left=$((codec_deadline - SECONDS))
+  (( left > $1 )) && left=$1
+  (( left < 20 )) && left=0
+  echo "$left"
+}
+
+section_codec() {
+  local bin=build/bin/lgreco-gpu-codec-check cuda rc detail r t
+  codec_deadline=$((SECONDS + ${LGRECO_GPU_CODEC_SECONDS:-540}))
+  cuda=$(cuda_home)
+  if [[ ! -x "$cuda/bin/nvcc" ]]; then
+    row codec "build lgreco-gpu-codec-check" FAIL "no nvcc ($cuda/bin/nvcc, PATH): set CUDA_HOME"; failed=1; return
+  fi
+  # Only this program and the core library it links. nvcc compiles the kernels' three
+  # -gencode targets one after the other unless told otherwise; --threads 0 runs them in
+  # parallel (the longest step of a cold build).
+  t=$(step_time 360)
+  NVCC_APPEND_FLAGS="${NVCC_APPEND_FLAGS:+$NVCC_APPEND_FLAGS }--threads 0" \
+    timeout "$t" make -j"$JOBS" "$bin" CUDA_HOME="$cuda" PYTHON="$PY" > "$OUT/codec-build.log" 2>&1
+  rc=$?
+  if [[ $rc -ne 0 || ! -x "$bin" ]]; then
+    detail=$(grep -m 1 -E 'error|No rule' "$OUT/codec-build.log" | cut -c1-100)
+    detail="exit $rc: ${detail:-$(last_line "$OUT/codec-build.log")}"
+    [[ $rc -eq 124 ]] && detail="timed out after $t s"
+    row codec "build lgreco-gpu-codec-check" FAIL "$detail (codec-build.log)"; failed=1; return
+  fi
+  row codec "build lgreco-gpu-codec-check" PASS "CUDA at $cuda"
+
+  # Parity with the CPU reference. Exit 2 is "no CUDA device", 3 its own time limit.
+  # --verbose: the log lists each statistic that needed float32's resolution allowance.
+  t=$(step_time 150)
+  if [[ $t -eq 0 ]]; then row codec "--check" FAIL "skipped: the section ran out of time"; failed=1; return; fi
+  timeout "$t" "$bin" --check --verbose --time-limit $((t - 10)) > "$OUT/codec-check.log" 2>&1
+  rc=$?
+  detail=$(grep -E '^SUMMARY: ' "$OUT/codec-check.log" | tail -n 1 | cut -c10-)
+  [[ -z "$detail" ]] && detail="exit $rc: $(last_line "$OUT/codec-check.log")"
+  [[ $rc -eq 124 ]] && detail="timed out after $t s; $(last_line "$OUT/codec-check.log")"
+  r=PASS; [[ $rc -eq 0 ]] || r=FAIL
+  row codec "--check" "$r" "$detail (codec-check.log)"
+  fail_if "$r"
+  local line
+  while IFS= read -r line; do
+    row codec "  failed" FAIL "$(cut -c1-150 <<< "${line#\# failed: }")"
+  done < <(grep -E '^# failed: ' "$OUT/codec-check.log" | head -n 6)
+
+  # One compute-sanitizer memcheck pass over the smaller set, if the tool is here and can
+  # run a trivial CUDA program (--info: one allocation, one copy, one launch).
+  local cs="" c
+  for c in "$(command -v compute-sanitizer 2>/dev/null)" "$cuda/bin/compute-sanitizer" \
+           "$cuda/compute-sanitizer/compute-sanitizer"; do
+    if [[ -n "$c" && -x "$c" ]]; then cs=$c; break; fi
+  done
+  t=$(step_time 60)
+  if [[ -z "$cs" ]]; then
+    row codec "compute-sanitizer memcheck" INFO "skipped: compute-sanitizer not found (PATH, $cuda/bin, $cuda/compute-sanitizer)"
+  elif [[ $t -eq 0 ]]; then
+    row codec "compute-sanitizer memcheck" INFO "skipped: the section ran out of time"
+  else
+    timeout "$t" "$cs" --tool memcheck --error-exitcode 99 "$bin" --info > "$OUT/codec-sanitizer-trivial.log" 2>&1
+    rc=$?
+    t=$(step_time 240)
+    if [[ $rc -ne 0 ]]; then
+      row codec "compute-sanitizer memcheck" INFO \
+        "skipped: it fails on a trivial run (--info, exit $rc): $(last_line "$OUT/codec-sanitizer-trivial.log")"
+    elif [[ $t -eq 0 ]]; then
+      row codec "compute-sanitizer memcheck" INFO "skipped: the section ran out of time"
+    else
+      timeout "$t" "$cs" --tool memcheck --error-exitcode 99 --print-limit 20 \
+        "$bin" --check --quick --time-limit $((t - 10)) > "$OUT/codec-memcheck.log" 2>&1
+      rc=$?
+      local errors result
+      errors=$(grep -E 'ERROR SUMMARY' "$OUT/codec-memcheck.log" | tail -n 1 | sed 's/^[= ]*//')
+      result=$(grep -E '^RESULT: ' "$OUT/codec-memcheck.log" | tail -n 1)
+      # Memory errors decide this row (exit 99, or a summary that counts any); the checks'
+      # own results under the sanitizer are those of --check above.
+      r=PASS
+      if [[ $rc -eq 99 || $rc -eq 124 || ! "$errors" =~ ERROR\ SUMMARY:\ 0\ errors ]]; then r=FAIL; fi
+      detail="${errors:-no ERROR SUMMARY (exit $rc)}; --check --quick ${result:-exit $rc}"
+      [[ $rc -eq 124 ]] && detail="timed out after $t s; $detail"
+      row codec "memcheck --check --quick" "$r" "$detail (codec-memcheck.log)"
+      fail_if "$r"
+    fi
+  fi
+
+  # Throughput; the table comes after the summary.
+  t=$(step_time 120)
+  if [[ $t -eq 0 ]]; then row codec "--bench" FAIL "skipped: the section ran out of time"; failed=1; return; fi
+  timeout "$t" "$bin" --bench --time-limit $((t - 10)) > "$OUT/codec-bench.log" 2>&1
+  rc=$?
+  if [[ $rc -ne 0 ]]; then
+    detail="exit $rc: $(last_line "$OUT/codec-bench.log")"
+    [[ $rc -eq 124 ]] && detail="timed out after $t s"
+    row codec "--bench" FAIL "$detail (codec-bench.log)"; failed=1; return
+  fi
+  sed -n '/^== lgreco-gpu-codec-check --bench/,$p' "$OUT/codec-bench.log" > "$OUT/codec-bench-table.txt"
+  appendix+=("$OUT/codec-bench-table.txt")
+  row codec "--bench" INFO "$(grep -E '^== ' "$OUT/codec-bench.log" | sed 's/^== lgreco-gpu-codec-check --bench: //; s/ ==$//' | cut -c1-110) (table below, codec-bench.log)"
+  local targets
+  targets=$(grep -E '^TARGETS: ' "$OUT/codec-bench.log" | tail -n 1 | cut -c10-)
+  if [[ "$targets" =~ ^([0-9]+)\ of\ ([0-9]+)\ met ]] && [[ ${BASH_REMATCH[1]} == "${BASH_REMATCH[2]}" ]]; then
+    r=PASS
+  else
+    r=FAIL
+  fi
+  row codec "bench targets" "$r" "$(cut -c1-200 <<< "${targets:-no TARGETS line}")"
+  fail_if "$r"
+}
+
 sections=("$@")
-[[ ${#sections[@]} -eq 0 ]] && sections=(register)
+[[ ${#sections[@]} -eq 0 ]] && sections=(register codec)
 for s in "${sections[@]}"; do
   case "$s" in
     register) section_register ;;
-    *) echo "tests/gpu/run.sh: unknown section '$s' (sections: register)" >&2; exit 2 ;;
+    codec) section_codec ;;
+    *) echo "tests/gpu/run.sh: unknown section '$s' (sections: register codec)" >&2; exit 2 ;;
   esac
 done
 
@@ -92,4 +225,8 @@ echo
 echo "== lgreco GPU checks ($(date -u +%Y-%m-%dT%H:%MZ), $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n1 || echo 'no GPU')) =="
 printf '%-9s %-34s %-5s %s\n' section check result detail
 printf '%s\n' "${rows[@]}"
+for f in "${appendix[@]}"; do
+  echo
+  cat "$f"
+done
 exit "$failed"
