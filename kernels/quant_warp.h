@@ -497,6 +497,10 @@ LGRECO_HD void stats_bucket(const W& w, const StatsArgs& a, const KernelJob& job
     if (c < a.candidate_count && a.candidates[c].bits != 0 && quant_ok) {
       const float unit = bucket_meta(range.min, range.max, true, a.candidates[c].bits).unit;
       if (unit > 0.0f) inverse[c] = f32_div(1.0f, unit);
+      // A unit below 2^-128 (values under 2^-96) has no float32 reciprocal: positions
+      // would be inf or NaN. The bucket's error, under n x unit^2 < 2^-244, is 0 in float32
+      // partials; the constant path gives that ((v - min)^2 < 2^-240 underflows).
+      if (!is_finite_value(inverse[c])) inverse[c] = 0.0f;
     }
   }
   constexpr float kRoundMagic = 12582912.0f;  // 1.5 x 2^23: adding and subtracting it rounds to an integer
