@@ -125,7 +125,7 @@ uint64_t stats_scratch_bytes(const std::vector<StatsLaunch>& launches) {
   uint64_t bytes = 0;
   for (const StatsLaunch& launch : launches)
     for (const warp::JobTable& t : launch.tables)
-      bytes = std::max<uint64_t>(bytes, uint64_t{t.total_work} * launch.candidates.size() * sizeof(float));
+      bytes = std::max<uint64_t>(bytes, uint64_t{t.total_work} * launch.candidates.size() * sizeof(double));
   return bytes;
 }
 

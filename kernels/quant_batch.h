@@ -32,7 +32,7 @@ struct StatsLaunch {
 // kernels do not measure, or a job not on a bucket boundary of every candidate.
 std::vector<StatsLaunch> stats_launches(std::span<const Job> jobs, std::span<const CodecSpec> candidates,
                                         const char* what);
-// Scratch the launches need: the largest (work items x candidates) float array of any table.
+// Scratch the launches need: the largest (work items x candidates) double array of any table.
 uint64_t stats_scratch_bytes(const std::vector<StatsLaunch>& launches);
 
 }  // namespace lgreco::quant::cuda

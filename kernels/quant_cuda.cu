@@ -73,7 +73,7 @@ __global__ void __launch_bounds__(kBlockThreads, 2) stats_kernel(const __grid_co
 }
 
 struct ReduceArgs {
-  const float* partial;   // work items x candidate_count
+  const double* partial;  // work items x candidate_count
   uint32_t candidate_count;
   uint32_t columns[warp::kMaxCandidates];
   uint32_t row_stride;    // candidates in an output row
@@ -81,7 +81,7 @@ struct ReduceArgs {
   double weight;
 };
 
-// Block c adds candidate c's per-bucket partial sums of each job, in double, into the
+// Block c adds candidate c's per-bucket errors of each job, in double, into the
 // job's output row: a fixed summation order (deterministic results), and one writer per
 // output element even when several jobs share a layer (they are summed in job order).
 __global__ void __launch_bounds__(kReduceThreads) stats_reduce_kernel(const __grid_constant__ JobTable table,
@@ -93,7 +93,7 @@ __global__ void __launch_bounds__(kReduceThreads) stats_reduce_kernel(const __gr
     const uint32_t buckets = static_cast<uint32_t>(warp::bucket_count_of(job));
     double local = 0.0;
     for (uint32_t i = threadIdx.x; i < buckets; i += kReduceThreads)
-      local += static_cast<double>(args.partial[static_cast<uint64_t>(job.work_begin + i) * args.candidate_count + c]);
+      local += args.partial[static_cast<uint64_t>(job.work_begin + i) * args.candidate_count + c];
     sums[threadIdx.x] = local;
     __syncthreads();
     for (uint32_t half = kReduceThreads / 2; half > 0; half /= 2) {
@@ -241,7 +241,7 @@ void squared_errors(const StatsBatch& batch, Stream stream) {
     args.input = batch.input;
     args.residual = batch.residual;
     args.nonfinite = batch.nonfinite;
-    args.partial = static_cast<float*>(batch.scratch);
+    args.partial = static_cast<double*>(batch.scratch);
     args.candidate_count = static_cast<uint32_t>(launch.candidates.size());
     args.has_quant = launch.has_quant;
     ReduceArgs reduce{};

@@ -99,8 +99,11 @@ LGRECO_HD uint32_t quantize_ranged(float v, const BucketMeta& m, uint32_t top_co
   return code < top_code ? code : top_code;
 }
 
+// min + code x unit, rounded twice (no FMA). `code` is a whole number as a float.
+LGRECO_HD float dequantize_value(float code, float min, float unit) { return f32_add(min, f32_mul(code, unit)); }
+
 LGRECO_HD float dequantize(uint32_t code, const BucketMeta& m) {
-  return f32_add(m.min, f32_mul(static_cast<float>(code), m.unit));
+  return dequantize_value(static_cast<float>(code), m.min, m.unit);
 }
 
 // Rounding threshold for round-to-nearest.

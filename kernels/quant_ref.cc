@@ -271,11 +271,17 @@ void decode_narrow(const QuantParams& p, const uint8_t* in, uint64_t count, DTyp
       });
 }
 
-// A non-finite bucket replaces the sum by the canonical NaN rather than adding it, so the
-// result's bits do not depend on what the accumulator held.
+// A non-finite bucket replaces the sum by the canonical NaN rather than adding it, and a
+// NaN sum (an accumulator that already held a NaN) is written as that NaN too: x86 would
+// keep the accumulator's NaN payload, a GPU gives its canonical NaN, and the bits must not
+// depend on where the sum was taken.
 LGRECO_MULTIVERSION void decode_accumulate_f32(const QuantParams& p, const uint8_t* in, uint64_t count, float* acc) {
   decode_loop(
-      p, in, count, [acc](uint64_t i, float y) { acc[i] = acc[i] + y; },
+      p, in, count,
+      [acc](uint64_t i, float y) {
+        const float sum = acc[i] + y;
+        acc[i] = sum == sum ? sum : kDecodedNaN;
+      },
       [acc](uint64_t begin, uint64_t end) { std::fill(acc + begin, acc + end, kDecodedNaN); });
 }
 
@@ -283,17 +289,25 @@ LGRECO_MULTIVERSION void decode_accumulate_f32(const QuantParams& p, const uint8
 // Error statistics
 
 // Squared error of one candidate over one bucket whose corrected values are v[0..n).
-LGRECO_CLONE_INLINE float bucket_squared_error(const float* v, uint64_t n, const BucketMeta& meta,
-                                               const QuantParams& c) {
-  float acc[kLanes] = {};
+// Scaling by unit^2 and the squares of nearest rounding's errors are in float64: with a
+// range near float32's limit, unit^2 (or a sum of d^2) would overflow float32 and turn a
+// finite error into +inf, or 0 x inf into NaN.
+LGRECO_CLONE_INLINE double bucket_squared_error(const float* v, uint64_t n, const BucketMeta& meta,
+                                                const QuantParams& c) {
   const uint32_t top = max_code(c.bits);
   if (meta.unit == 0.0f) {  // constant bucket (or a range below float32's resolution): code 0
+    float acc[kLanes] = {};
     for (uint64_t i = 0; i < n; ++i) {
       const float d = v[i] - meta.min;
       acc[i % kLanes] += d * d;
     }
-  } else if (c.rounding == Rounding::kStochastic) {
+    float total = 0.0f;
+    for (float a : acc) total += a;
+    return total;
+  }
+  if (c.rounding == Rounding::kStochastic) {
     // E[(v - decoded)^2] = unit^2 * f * (1 - f) for a value f of the way between two codes.
+    float acc[kLanes] = {};
     uint64_t i = 0;
     for (; i + kLanes <= n; i += kLanes) {
       for (int l = 0; l < kLanes; ++l) {
@@ -307,22 +321,24 @@ LGRECO_CLONE_INLINE float bucket_squared_error(const float* v, uint64_t n, const
       const float f = position - std::floor(position);
       acc[0] += f * (1.0f - f);
     }
-    for (float& a : acc) a *= meta.unit * meta.unit;
-  } else {
-    uint64_t i = 0;
-    for (; i + kLanes <= n; i += kLanes) {
-      for (int l = 0; l < kLanes; ++l) {
-        const float d = v[i + l] - dequantize(quantize_ranged(v[i + l], meta, top, kNearestThreshold), meta);
-        acc[l] += d * d;
-      }
-    }
-    for (; i < n; ++i) {
-      const float d = v[i] - dequantize(quantize_ranged(v[i], meta, top, kNearestThreshold), meta);
-      acc[0] += d * d;
+    float total = 0.0f;
+    for (float a : acc) total += a;
+    return static_cast<double>(total) * meta.unit * meta.unit;
+  }
+  double acc[kLanes] = {};
+  uint64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int l = 0; l < kLanes; ++l) {
+      const double d = v[i + l] - dequantize(quantize_ranged(v[i + l], meta, top, kNearestThreshold), meta);
+      acc[l] += d * d;
     }
   }
-  float total = 0.0f;
-  for (float a : acc) total += a;
+  for (; i < n; ++i) {
+    const double d = v[i] - dequantize(quantize_ranged(v[i], meta, top, kNearestThreshold), meta);
+    acc[0] += d * d;
+  }
+  double total = 0.0;
+  for (double a : acc) total += a;
   return total;
 }
 

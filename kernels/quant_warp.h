@@ -434,7 +434,10 @@ LGRECO_HD void decode_bucket(const W& w, const DecodeArgs& a, const KernelJob& j
       if (finite) {
         const Quad acc = load_quad<DType::kFloat32>(a.output, first + offset, valid, full && vector_out);
         LGRECO_UNROLL
-        for (uint32_t s = 0; s < kLaneElements; ++s) y.v[s] = f32_add(acc.v[s], y.v[s]);
+        for (uint32_t s = 0; s < kLaneElements; ++s) {
+          const float sum = f32_add(acc.v[s], y.v[s]);
+          y.v[s] = sum == sum ? sum : nan;  // the canonical NaN, as the CPU writes it
+        }
       }
       store_quad<DType::kFloat32>(a.output, first + offset, valid, full && vector_out, y);
     } else {
@@ -455,14 +458,16 @@ struct StatsArgs {
   const void* input;
   const float* residual;
   uint8_t* nonfinite;  // per layer
-  float* partial;      // work items x candidate count
+  double* partial;     // work items x candidate count
   uint32_t candidate_count;
   bool has_quant;      // a quant candidate is in this launch (decides what makes a layer non-finite)
   StatsCandidate candidates[kMaxCandidates];
 };
 
 // Squared error of each candidate on one bucket (all of this launch's quant candidates
-// share job.bucket), as float partial sums written to a.partial[w * count + c] by lane 0.
+// share job.bucket), written to a.partial[w * count + c] by lane 0. Sums over the bucket
+// are float32; the scaling by unit^2 is float64, as in the CPU reference, so that a range
+// near float32's limit gives a finite error, not +inf (or 0 x inf = NaN).
 // kCapacity (8 or 16) >= a.candidate_count sizes the per-candidate register arrays.
 template <DType T, bool kResidual, uint32_t kCapacity, class W>
 LGRECO_HD void stats_bucket(const W& w, const StatsArgs& a, const KernelJob& job, uint64_t b, uint32_t work) {
@@ -484,9 +489,10 @@ LGRECO_HD void stats_bucket(const W& w, const StatsArgs& a, const KernelJob& job
   const bool quant_ok = range.finite && is_finite_value(f32_sub(range.max, range.min));
   if (lane == 0 && (a.has_quant ? !quant_ok : !range.finite)) a.nonfinite[job.layer] = 1;
 
-  // Per candidate: the unit and its reciprocal. d is the distance from the value's
-  // position to the nearest code (the rounding of a value whose code scale position is p
-  // lies between p - floor(p) and that, so |d| (1 - |d|) = f (1 - f) with f = p - floor(p)).
+  // Per candidate: the reciprocal of its unit. For stochastic rounding d is the distance
+  // from the value's position p to the nearest code, and |d| (1 - |d|) = f (1 - f) with
+  // f = p - floor(p), the expected squared error in units of unit^2; for round to nearest
+  // d is the actual error v - decoded, also in units of `unit`.
   float inverse[kCapacity], sum_abs[kCapacity], sum_sq[kCapacity];
   const float lo = f32_add(range.min, 0.0f);
   LGRECO_UNROLL
@@ -518,6 +524,11 @@ LGRECO_HD void stats_bucket(const W& w, const StatsArgs& a, const KernelJob& job
       if (c >= a.candidate_count) break;
       const bool none = a.candidates[c].bits == 0;
       const bool constant = !none && inverse[c] == 0.0f;
+      // Round to nearest measures the actual error, the decoded value's float32 rounding
+      // included (it matters where |min| is much larger than unit), in units of `unit`.
+      const bool nearest = !none && !constant && a.candidates[c].stochastic == 0;
+      const float unit = nearest ? bucket_meta(range.min, range.max, true, a.candidates[c].bits).unit : 0.0f;
+      const float top = nearest ? static_cast<float>(max_code(a.candidates[c].bits)) : 0.0f;
       LGRECO_UNROLL
       for (uint32_t ch = 0; ch < kWindowChunks; ++ch) {
         if (ch * kChunkElements >= window_valid) break;  // warp-uniform
@@ -532,7 +543,11 @@ LGRECO_HD void stats_bucket(const W& w, const StatsArgs& a, const KernelJob& job
             d = f32_sub(x, lo);
           } else {
             const float p = f32_mul(f32_sub(x, lo), inverse[c]);
-            d = f32_sub(p, f32_sub(f32_add(p, kRoundMagic), kRoundMagic));
+            const float code = f32_sub(f32_add(p, kRoundMagic), kRoundMagic);
+            if (nearest)
+              d = f32_mul(f32_sub(x, dequantize_value(code < top ? code : top, lo, unit)), inverse[c]);
+            else
+              d = f32_sub(p, code);
           }
           if (s >= valid) d = 0.0f;
           sum_abs[c] = f32_add(sum_abs[c], d < 0.0f ? -d : d);
@@ -548,8 +563,8 @@ LGRECO_HD void stats_bucket(const W& w, const StatsArgs& a, const KernelJob& job
     const float total_sq = warp_sum(w, sum_sq[c]);
     if (lane != 0) continue;
     const StatsCandidate k = a.candidates[c];
-    const float unit = k.bits != 0 && quant_ok ? bucket_meta(range.min, range.max, true, k.bits).unit : 0.0f;
-    float error;
+    const double unit = k.bits != 0 && quant_ok ? bucket_meta(range.min, range.max, true, k.bits).unit : 0.0;
+    double error;
     if (k.bits == 0)
       error = range.finite ? total_sq : inf;
     else if (!quant_ok)
@@ -557,9 +572,9 @@ LGRECO_HD void stats_bucket(const W& w, const StatsArgs& a, const KernelJob& job
     else if (inverse[c] == 0.0f)
       error = total_sq;
     else if (k.stochastic)
-      error = f32_mul(f32_sub(total_abs, total_sq), f32_mul(unit, unit));
+      error = static_cast<double>(f32_sub(total_abs, total_sq)) * unit * unit;
     else
-      error = f32_mul(total_sq, f32_mul(unit, unit));
+      error = static_cast<double>(total_sq) * unit * unit;
     a.partial[static_cast<uint64_t>(work) * a.candidate_count + c] = error;
   }
 }

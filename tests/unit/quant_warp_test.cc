@@ -14,6 +14,7 @@
 #include "kernels/quant_warp.h"
 
 #include <algorithm>
+#include <bit>
 #include <boost/test/unit_test.hpp>
 #include <cmath>
 #include <cstring>
@@ -48,6 +49,10 @@ constexpr uint32_t kBuckets[] = {32, 64, 96, 128, 1024, 2048, 4096 + 32};
 constexpr uint32_t kPoisonBits = 0x7fa5a5a5u;
 
 float poison_float() { return bits_float(kPoisonBits); }
+// A signalling-NaN pattern no statistics kernel can produce, for the per-bucket scratch.
+constexpr uint64_t kPoisonDoubleBits = 0x7ff5a5a5a5a5a5a5ull;
+double poison_double() { return std::bit_cast<double>(kPoisonDoubleBits); }
+uint64_t double_bits(double d) { return std::bit_cast<uint64_t>(d); }
 
 // ---------------------------------------------------------------------------------------
 // Emulated launches: every work item of every table, one emulated warp each.
@@ -131,7 +136,7 @@ void stats_table_typed(const warp::JobTable& t, const warp::StatsArgs& a) {
 // weight x that added into the job's layer row).
 void emulate_stats(const StatsBatch& batch) {
   const auto launches = quant::cuda::stats_launches(batch.jobs, batch.candidates, "quant cuda squared_errors");
-  const uint64_t scratch_floats = quant::cuda::stats_scratch_bytes(launches) / sizeof(float);
+  const uint64_t scratch_doubles = quant::cuda::stats_scratch_bytes(launches) / sizeof(double);
   for (const quant::cuda::StatsLaunch& launch : launches) {
     warp::StatsArgs args{};
     args.input = batch.input;
@@ -142,21 +147,21 @@ void emulate_stats(const StatsBatch& batch) {
     for (size_t c = 0; c < launch.candidates.size(); ++c) args.candidates[c] = launch.candidates[c];
     for (const warp::JobTable& t : launch.tables) {
       const uint64_t used = uint64_t{t.total_work} * args.candidate_count;
-      BOOST_TEST_REQUIRE(used <= scratch_floats);  // stats_scratch_bytes covers every table
-      std::vector<float> partial(used, poison_float());
+      BOOST_TEST_REQUIRE(used <= scratch_doubles);  // stats_scratch_bytes covers every table
+      std::vector<double> partial(used, poison_double());
       args.partial = partial.data();
       switch (batch.input_dtype) {
         case DType::kFloat32: stats_table_typed<DType::kFloat32>(t, args); break;
         case DType::kFloat16: stats_table_typed<DType::kFloat16>(t, args); break;
         case DType::kBFloat16: stats_table_typed<DType::kBFloat16>(t, args); break;
       }
-      for (float p : partial) BOOST_TEST_REQUIRE(float_bits(p) != kPoisonBits);  // every slot written
+      for (double p : partial) BOOST_TEST_REQUIRE(double_bits(p) != kPoisonDoubleBits);  // every slot written
       for (uint32_t j = 0; j < t.count; ++j) {
         const warp::KernelJob& job = t.jobs[j];
         for (uint32_t c = 0; c < args.candidate_count; ++c) {
           double sum = 0.0;
           for (uint64_t i = 0; i < warp::bucket_count_of(job); ++i)
-            sum += static_cast<double>(partial[(job.work_begin + i) * args.candidate_count + c]);
+            sum += partial[(job.work_begin + i) * args.candidate_count + c];
           batch.squared[uint64_t{job.layer} * batch.candidates.size() + launch.columns[c]] += batch.weight * sum;
         }
       }
@@ -872,7 +877,7 @@ BOOST_AUTO_TEST_CASE(stats_launches_group_candidates_by_bucket) {
         BOOST_TEST(t.jobs[k].bits == 0);
       }
       work += t.total_work;
-      scratch = std::max<uint64_t>(scratch, uint64_t{t.total_work} * launch.candidates.size() * 4);
+      scratch = std::max<uint64_t>(scratch, uint64_t{t.total_work} * launch.candidates.size() * sizeof(double));
     }
     uint64_t want_work = 0;
     for (const Job& j : jobs) want_work += (j.count + launch.bucket - 1) / launch.bucket;

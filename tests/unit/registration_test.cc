@@ -2,6 +2,7 @@
 // never-compress rules, and random valid files with random single faults.
 #include "config/registration.h"
 
+#include <algorithm>
 #include <boost/test/unit_test.hpp>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -59,6 +60,14 @@ json random_registration(std::mt19937_64& rng) {
       if (rng() % 5 == 0) layer["compress"] = rng() % 2 ? "never" : "quant:bits=3";
       bucket["layers"].push_back(layer);
       offset += numel;
+    }
+    // Buckets whose counts repeat with other layers are refused (a call could not tell
+    // them apart), rightly: keep the random ones' counts distinct with a one-element layer.
+    while (std::any_of(root["buckets"].begin(), root["buckets"].end(),
+                       [&](const json& other) { return other["count"].get<uint64_t>() == offset; })) {
+      bucket["layers"].push_back({{"name", "layer" + std::to_string(name++)}, {"offset", offset}, {"numel", 1},
+                                  {"shape", json::array({1})}});
+      offset += 1;
     }
     bucket["count"] = offset;
     root["buckets"].push_back(bucket);
