@@ -1072,6 +1072,37 @@ BOOST_AUTO_TEST_CASE(stats_of_tiny_values) {
   report("statistics of tiny values", worst);
 }
 
+BOOST_AUTO_TEST_CASE(stats_of_huge_values) {
+  // A lone +-3e38 among ordinary values: every value and the range are finite, but unit^2
+  // overflows float32 (unit above ~1.8e19). Both sides scale by unit^2 in float64, so the
+  // errors must come out finite (not +inf, not 0 x inf = NaN) and agree.
+  std::mt19937_64 rng(test::run_seed());
+  Worst worst;
+  const std::vector<CodecSpec> cand = specs({"none", "quant:bits=2", "quant:bits=8", "quant:bits=1,rounding=nearest",
+                                             "quant:bits=8,rounding=nearest"});
+  BOOST_TEST_CONTEXT("run seed " << test::run_seed()) {
+    for (bool residual : {false, true}) {
+      Batch b;
+      for (uint32_t layer = 0; layer < 2; ++layer) {
+        b.jobs.push_back(make_job(QuantParams{4, 1024, Rounding::kNearest}, 3000 + rng() % 3000, layer, rng));
+        b.jobs.back().first_element = 1024 * (rng() % 100);
+      }
+      lay_out(b, rng);
+      Data data = make_data(b, DType::kFloat32, residual, 0.0, rng);
+      for (const Job& j : b.jobs)
+        for (uint64_t at = 0; at < j.count; at += 2048) data.input.set(j.element_offset + at + rng() % std::min<uint64_t>(1024, j.count - at), rng() % 2 ? 3e38f : -3e38f);
+      check_stats(b, cand, data, residual, kStatsTolerance, worst, rng);
+      for (const Job& j : b.jobs) {
+        const CandidateReport want = measure_candidates(cand, DType::kFloat32, Slice{data.input.at(j.element_offset), j.count, 0},
+                                                        residual ? data.residual.data() + j.element_offset : nullptr);
+        BOOST_TEST(want.nonfinite_buckets == 0u);
+        for (const CandidateError& e : want.candidates) BOOST_TEST(std::isfinite(e.squared_error));
+      }
+    }
+  }
+  report("statistics of huge values", worst);
+}
+
 BOOST_AUTO_TEST_CASE(stats_layers_whose_range_overflows) {
   // A finite range that overflows float32 makes a layer non-finite for `quant`, not for
   // `none` (docs/KERNELS.md): layer 0 has only such a bucket, layer 1 a NaN, layer 2
