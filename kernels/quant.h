@@ -29,6 +29,10 @@ constexpr uint64_t encoded_bytes(const QuantParams& p, uint64_t count) {
   return meta_bytes(p, count) + code_bytes(p, count);
 }
 
+// Throws CodecError, prefixed with `what`, unless a buffer of `bytes` holds the payload of
+// `count` values (and p is valid).
+void check_payload(const QuantParams& p, uint64_t bytes, uint64_t count, const char* what);
+
 // The slice's first_element must be a multiple of the bucket size, so that the slice's
 // buckets are the layer's buckets.
 

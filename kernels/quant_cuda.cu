@@ -187,15 +187,6 @@ Job single_job(const QuantParams& p, uint64_t count, uint64_t first_element) {
   return job;
 }
 
-void check_bytes(const QuantParams& p, uint64_t bytes, uint64_t count, const char* what) {
-  p.validate();
-  const uint64_t need = encoded_bytes(p, count);
-  if (bytes < need)
-    throw CodecError(std::string(what) + ": buffer of " + std::to_string(bytes) + " bytes is too small for " +
-                     std::to_string(count) + " values with bits=" + std::to_string(p.bits) +
-                     ", bucket=" + std::to_string(p.bucket) + " (needs " + std::to_string(need) + ")");
-}
-
 }  // namespace
 
 bool available() { return true; }
@@ -269,7 +260,7 @@ void squared_errors(const StatsBatch& batch, Stream stream) {
 void encode(const QuantParams& params, const NoiseKey& noise, DType dtype, const Slice& device_input,
             float* device_residual, uint8_t* device_out, uint64_t out_bytes, Stream stream,
             unsigned long long* device_nonfinite_buckets) {
-  check_bytes(params, out_bytes, device_input.count, "quant cuda encode");
+  check_payload(params, out_bytes, device_input.count, "quant cuda encode");
   const Job job = single_job(params, device_input.count, device_input.first_element);
   EncodeBatch batch;
   batch.jobs = std::span<const Job>(&job, 1);
@@ -284,14 +275,14 @@ void encode(const QuantParams& params, const NoiseKey& noise, DType dtype, const
 
 void decode(const QuantParams& params, const uint8_t* device_in, uint64_t in_bytes, uint64_t count, DType out_dtype,
             void* device_out, Stream stream) {
-  check_bytes(params, in_bytes, count, "quant cuda decode");
+  check_payload(params, in_bytes, count, "quant cuda decode");
   const Job job = single_job(params, count, 0);
   decode(DecodeBatch{std::span<const Job>(&job, 1), device_in, device_out, out_dtype}, stream);
 }
 
 void decode_accumulate(const QuantParams& params, const uint8_t* device_in, uint64_t in_bytes, uint64_t count,
                        float* device_acc, Stream stream) {
-  check_bytes(params, in_bytes, count, "quant cuda decode_accumulate");
+  check_payload(params, in_bytes, count, "quant cuda decode_accumulate");
   const Job job = single_job(params, count, 0);
   decode_accumulate(DecodeBatch{std::span<const Job>(&job, 1), device_in, device_acc, DType::kFloat32}, stream);
 }

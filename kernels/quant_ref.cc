@@ -135,15 +135,6 @@ void check_input(const QuantParams& p, const Slice& in, const char* what) {
     throw CodecError(std::string(what) + ": a layer may hold at most 2^34 elements");
 }
 
-void check_payload(const QuantParams& p, uint64_t bytes, uint64_t count, const char* what) {
-  p.validate();
-  const uint64_t need = encoded_bytes(p, count);
-  if (bytes < need)
-    throw CodecError(std::string(what) + ": buffer of " + std::to_string(bytes) + " bytes is too small for " +
-                     std::to_string(count) + " values with bits=" + std::to_string(p.bits) +
-                     ", bucket=" + std::to_string(p.bucket) + " (needs " + std::to_string(need) + ")");
-}
-
 // ---------------------------------------------------------------------------------------
 // Encode
 
@@ -374,6 +365,16 @@ LGRECO_MULTIVERSION uint64_t stats_typed(uint32_t bucket, std::span<const QuantP
 }
 
 }  // namespace
+
+void check_payload(const QuantParams& p, uint64_t bytes, uint64_t count, const char* what) {
+  p.validate();
+  const uint64_t need = encoded_bytes(p, count);
+  if (bytes < need)
+    throw CodecError(std::string(what) + ": buffer of " + std::to_string(bytes) + " bytes is too small for " +
+                     std::to_string(count) + " values with bits=" + std::to_string(p.bits) +
+                     ", bucket=" + std::to_string(p.bucket) + " (needs " + std::to_string(need) + ")");
+}
+
 
 EncodeReport encode(const QuantParams& p, const NoiseKey& noise, DType dtype, const Slice& in, float* residual,
                     std::span<uint8_t> out) {
