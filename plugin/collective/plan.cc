@@ -100,7 +100,10 @@ Plan make_plan(const BucketLayout& bucket, std::span<const CodecSpec> layer_code
       s.count = std::min(part.end, ll.offset + ll.numel) - s.offset;
       if (s.count == 0) continue;
       s.byte_offset = part.bytes;
-      s.bytes = encoded_bytes(layer_codecs[l], bucket.dtype, s.count);
+      // Each segment starts on a 4-byte boundary: the CUDA kernels read and write the
+      // quantization payload's metadata and code words as 32-bit words. Only `none` on a
+      // 16-bit type with an odd count needs the (zero) padding.
+      s.bytes = (encoded_bytes(layer_codecs[l], bucket.dtype, s.count) + 3) / 4 * 4;
       part.bytes += s.bytes;
       plan.segments.push_back(s);
     }
