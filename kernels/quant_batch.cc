@@ -121,6 +121,43 @@ std::vector<StatsLaunch> stats_launches(std::span<const Job> jobs, std::span<con
   return launches;
 }
 
+namespace {
+void check_first(std::span<const Job> jobs, uint64_t first, const char* array, const char* what) {
+  for (size_t i = 0; i < jobs.size(); ++i)
+    if (jobs[i].count > 0 && jobs[i].element_offset < first)
+      throw CodecError(job_name(what, i) + ": element offset " + std::to_string(jobs[i].element_offset) + " is before " +
+                       array + "'s first element " + std::to_string(first));
+}
+}  // namespace
+
+warp::EncodeArgs encode_args(const EncodeBatch& b, const char* what) {
+  check_first(b.jobs, b.input_first, "input", what);
+  if (b.residual) check_first(b.jobs, b.residual_first, "residual", what);
+  return warp::EncodeArgs{b.input,         b.input_first, b.residual, b.residual_first, b.skip_residual,
+                          b.payload,       b.noise,       b.nonfinite_buckets};
+}
+
+warp::DecodeArgs decode_args(const DecodeBatch& b, const char* what) {
+  check_first(b.jobs, b.output_first, "output", what);
+  return warp::DecodeArgs{b.payload, b.output, b.output_first};
+}
+
+warp::StatsArgs stats_args(const StatsBatch& b, const StatsLaunch& launch, double* partial, const char* what) {
+  check_first(b.jobs, b.input_first, "input", what);
+  if (b.residual) check_first(b.jobs, b.residual_first, "residual", what);
+  warp::StatsArgs args{};
+  args.input = b.input;
+  args.input_first = b.input_first;
+  args.residual = b.residual;
+  args.residual_first = b.residual_first;
+  args.nonfinite = b.nonfinite;
+  args.partial = partial;
+  args.candidate_count = static_cast<uint32_t>(launch.candidates.size());
+  args.has_quant = launch.has_quant;
+  for (size_t c = 0; c < launch.candidates.size(); ++c) args.candidates[c] = launch.candidates[c];
+  return args;
+}
+
 uint64_t stats_scratch_bytes(const std::vector<StatsLaunch>& launches) {
   uint64_t bytes = 0;
   for (const StatsLaunch& launch : launches)

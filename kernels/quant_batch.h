@@ -32,6 +32,13 @@ struct StatsLaunch {
 // kernels do not measure, or a job not on a bucket boundary of every candidate.
 std::vector<StatsLaunch> stats_launches(std::span<const Job> jobs, std::span<const CodecSpec> candidates,
                                         const char* what);
+// The kernels' arguments for a batch (what quant_cuda.cu launches with and the emulation
+// tests run). Throw CodecError when a job's elements lie before an array's *_first.
+warp::EncodeArgs encode_args(const EncodeBatch& batch, const char* what);
+warp::DecodeArgs decode_args(const DecodeBatch& batch, const char* what);
+// `partial` is the batch's scratch, reused by every launch.
+warp::StatsArgs stats_args(const StatsBatch& batch, const StatsLaunch& launch, double* partial, const char* what);
+
 // Scratch the launches need: the largest (work items x candidates) double array of any table.
 uint64_t stats_scratch_bytes(const std::vector<StatsLaunch>& launches);
 

@@ -106,41 +106,42 @@ __global__ void __launch_bounds__(kReduceThreads) stats_reduce_kernel(const __gr
   }
 }
 
-void check_launch(const char* kernel) {
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess)
-    throw CudaError(std::string("lgreco: launching ") + kernel + " failed: " + cudaGetErrorName(e) + ": " +
-                    cudaGetErrorString(e));
-}
-
 dim3 grid_for(const JobTable& t) { return dim3((t.total_work + kWarpsPerBlock - 1) / kWarpsPerBlock); }
+
+// Launches through cudaLaunchKernel and checks what it returns for this launch, rather
+// than <<<>>> followed by cudaGetLastError(), which would also report (and clear) an
+// earlier error of someone else's call on this thread as ours.
+template <typename... Params>
+void launch_kernel(void (*kernel)(Params...), dim3 grid, uint32_t threads, cudaStream_t stream, const char* name,
+            const Params&... params) {
+  void* args[] = {const_cast<void*>(static_cast<const void*>(&params))...};
+  const cudaError_t e = cudaLaunchKernel(reinterpret_cast<const void*>(kernel), grid, dim3(threads), args, 0, stream);
+  if (e != cudaSuccess)
+    throw CudaError(std::string("lgreco: launching ") + name + " failed: " + cudaGetErrorName(e) + ": " +
+                    cudaGetErrorString(e) +
+                    " (an earlier fault on this device, e.g. an illegal address, is reported by every later launch)");
+}
 
 template <DType T>
 void launch_encode(const JobTable& t, const warp::EncodeArgs& a, bool residual, cudaStream_t s) {
-  if (residual)
-    encode_kernel<T, true><<<grid_for(t), kBlockThreads, 0, s>>>(t, a);
-  else
-    encode_kernel<T, false><<<grid_for(t), kBlockThreads, 0, s>>>(t, a);
-  check_launch("the quant encode kernel");
+  launch_kernel(residual ? encode_kernel<T, true> : encode_kernel<T, false>, grid_for(t), kBlockThreads, s,
+         "the quant encode kernel", t, a);
 }
 
 template <DType T>
 void launch_decode(const JobTable& t, const warp::DecodeArgs& a, bool accumulate, cudaStream_t s) {
   if (accumulate)
-    decode_kernel<DType::kFloat32, true><<<grid_for(t), kBlockThreads, 0, s>>>(t, a);
+    launch_kernel(decode_kernel<DType::kFloat32, true>, grid_for(t), kBlockThreads, s, "the quant decode-accumulate kernel",
+           t, a);
   else
-    decode_kernel<T, false><<<grid_for(t), kBlockThreads, 0, s>>>(t, a);
-  check_launch(accumulate ? "the quant decode-accumulate kernel" : "the quant decode kernel");
+    launch_kernel(decode_kernel<T, false>, grid_for(t), kBlockThreads, s, "the quant decode kernel", t, a);
 }
 
 // Up to 8 candidates (the usual: bits 2..8 and none) in a smaller register footprint.
 template <DType T, uint32_t kCapacity>
 void launch_stats_sized(const JobTable& t, const warp::StatsArgs& a, cudaStream_t s) {
-  if (a.residual)
-    stats_kernel<T, true, kCapacity><<<grid_for(t), kBlockThreads, 0, s>>>(t, a);
-  else
-    stats_kernel<T, false, kCapacity><<<grid_for(t), kBlockThreads, 0, s>>>(t, a);
-  check_launch("the quant statistics kernel");
+  launch_kernel(a.residual ? stats_kernel<T, true, kCapacity> : stats_kernel<T, false, kCapacity>, grid_for(t),
+         kBlockThreads, s, "the quant statistics kernel", t, a);
 }
 
 template <DType T>
@@ -154,6 +155,10 @@ void launch_stats(const JobTable& t, const warp::StatsArgs& a, cudaStream_t s) {
 void require(bool ok, const char* what, const char* message) {
   if (!ok) throw CodecError(std::string(what) + ": " + message);
 }
+
+// A misaligned element array would fault on the device (a sticky error that ends the
+// context); say so on the host instead.
+bool aligned(const void* p, size_t alignment) { return reinterpret_cast<uintptr_t>(p) % alignment == 0; }
 
 bool has_elements(std::span<const Job> jobs) {
   for (const Job& j : jobs)
@@ -169,7 +174,8 @@ void run_decode(const DecodeBatch& batch, bool accumulate, cudaStream_t stream) 
   require(reinterpret_cast<uintptr_t>(batch.payload) % 4 == 0, what, "the payload must be 4-byte aligned");
   require(is_valid_dtype(static_cast<uint32_t>(batch.output_dtype)), what, "invalid output element type");
   require(!accumulate || batch.output_dtype == DType::kFloat32, what, "accumulators must be float32");
-  const warp::DecodeArgs args{batch.payload, batch.output};
+  require(aligned(batch.output, dtype_size(batch.output_dtype)), what, "the output is not aligned to its element size");
+  const warp::DecodeArgs args = decode_args(batch, what);
   for (const JobTable& t : tables) {
     switch (batch.output_dtype) {
       case DType::kFloat32: launch_decode<DType::kFloat32>(t, args, accumulate, stream); break;
@@ -198,8 +204,10 @@ void encode(const EncodeBatch& batch, Stream stream) {
   require(batch.input && batch.payload, what, "input and payload must not be null");
   require(reinterpret_cast<uintptr_t>(batch.payload) % 4 == 0, what, "the payload must be 4-byte aligned");
   require(is_valid_dtype(static_cast<uint32_t>(batch.input_dtype)), what, "invalid input element type");
-  const warp::EncodeArgs args{batch.input, batch.residual, batch.skip_residual, batch.payload, batch.noise,
-                              batch.nonfinite_buckets};
+  require(aligned(batch.input, dtype_size(batch.input_dtype)), what, "the input is not aligned to its element size");
+  require(aligned(batch.residual, 4), what, "the residual is not 4-byte aligned");
+  require(aligned(batch.nonfinite_buckets, 8), what, "the non-finite counter is not 8-byte aligned");
+  const warp::EncodeArgs args = encode_args(batch, what);
   const bool residual = batch.residual != nullptr;
   for (const JobTable& t : tables) {
     switch (batch.input_dtype) {
@@ -223,36 +231,31 @@ void squared_errors(const StatsBatch& batch, Stream stream) {
   if (!has_elements(batch.jobs) || launches.empty()) return;
   require(batch.input && batch.squared && batch.nonfinite, what, "input, squared and nonfinite must not be null");
   require(is_valid_dtype(static_cast<uint32_t>(batch.input_dtype)), what, "invalid input element type");
+  require(aligned(batch.input, dtype_size(batch.input_dtype)), what, "the input is not aligned to its element size");
+  require(aligned(batch.residual, 4), what, "the residual is not 4-byte aligned");
+  require(aligned(batch.squared, 8), what, "squared is not 8-byte aligned");
+  require(aligned(batch.scratch, 8), what, "the scratch is not 8-byte aligned");
   const uint64_t need = stats_scratch_bytes(launches);
   if (batch.scratch == nullptr || batch.scratch_bytes < need)
     throw CodecError(std::string(what) + ": scratch of " + std::to_string(batch.scratch_bytes) +
                      " bytes is too small (needs " + std::to_string(need) + ", see stats_scratch_bytes)");
   for (const StatsLaunch& launch : launches) {
-    warp::StatsArgs args{};
-    args.input = batch.input;
-    args.residual = batch.residual;
-    args.nonfinite = batch.nonfinite;
-    args.partial = static_cast<double*>(batch.scratch);
-    args.candidate_count = static_cast<uint32_t>(launch.candidates.size());
-    args.has_quant = launch.has_quant;
+    const warp::StatsArgs args = stats_args(batch, launch, static_cast<double*>(batch.scratch), what);
     ReduceArgs reduce{};
     reduce.partial = args.partial;
     reduce.candidate_count = args.candidate_count;
     reduce.row_stride = static_cast<uint32_t>(batch.candidates.size());
     reduce.squared = batch.squared;
     reduce.weight = batch.weight;
-    for (size_t c = 0; c < launch.candidates.size(); ++c) {
-      args.candidates[c] = launch.candidates[c];
-      reduce.columns[c] = launch.columns[c];
-    }
+    for (size_t c = 0; c < launch.candidates.size(); ++c) reduce.columns[c] = launch.columns[c];
     for (const JobTable& t : launch.tables) {
       switch (batch.input_dtype) {
         case DType::kFloat32: launch_stats<DType::kFloat32>(t, args, stream); break;
         case DType::kFloat16: launch_stats<DType::kFloat16>(t, args, stream); break;
         case DType::kBFloat16: launch_stats<DType::kBFloat16>(t, args, stream); break;
       }
-      stats_reduce_kernel<<<args.candidate_count, kReduceThreads, 0, stream>>>(t, reduce);
-      check_launch("the quant statistics reduction kernel");
+      launch_kernel(stats_reduce_kernel, dim3(args.candidate_count), kReduceThreads, stream,
+             "the quant statistics reduction kernel", t, reduce);
     }
   }
 }

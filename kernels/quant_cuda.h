@@ -58,13 +58,18 @@ struct Job {
   QuantParams params;
 };
 
+// Each array of a batch may start anywhere in the jobs' element space: *_first is the
+// element index that array[0] holds (element e of a job is input[e - input_first], and so
+// on; every job's elements must lie at or after it). Zero: the arrays start at element 0.
 struct EncodeBatch {
   std::span<const Job> jobs;
   const void* input = nullptr;  // float32, float16 or bfloat16 elements
   DType input_dtype = DType::kFloat32;
+  uint64_t input_first = 0;
   // Error feedback when not null: float32, indexed like input; for each finite bucket it
   // becomes (input + residual) - decoded, as quant::encode does.
   float* residual = nullptr;
+  uint64_t residual_first = 0;
   // Device bytes, one per layer index, or null: a layer whose byte is nonzero is encoded
   // without its residual, which stays untouched (an overflow step, see docs/ENGINE.md).
   const uint8_t* skip_residual = nullptr;
@@ -84,6 +89,7 @@ struct DecodeBatch {
   // decode_accumulate: float32 accumulators, output_dtype must be float32.
   void* output = nullptr;
   DType output_dtype = DType::kFloat32;
+  uint64_t output_first = 0;
 };
 void decode(const DecodeBatch& batch, Stream stream);
 // output[i] += decoded value i in float32; a non-finite bucket sets its elements to NaN.
@@ -98,7 +104,9 @@ struct StatsBatch {
   std::span<const CodecSpec> candidates;
   const void* input = nullptr;
   DType input_dtype = DType::kFloat32;
+  uint64_t input_first = 0;
   const float* residual = nullptr;  // the values measured are input + residual
+  uint64_t residual_first = 0;
   // Device, layers x candidates.size() (row = Job::layer): weight x the squared error of
   // candidate c on the job is ADDED to squared[layer * candidates.size() + c], as the
   // engine's Backend::measure does. quant::squared_errors defines the value; the GPU's

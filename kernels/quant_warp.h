@@ -246,9 +246,13 @@ LGRECO_HD uint32_t quad_codes(const uint32_t* words, int bits, uint32_t position
 // ---------------------------------------------------------------------------------------
 // The bucket programs. `b` is the bucket's index within its job.
 
+// *_first: the element index (in the jobs' element_offset space) of array[0]; element e
+// of a job is input[e - input_first], residual[e - residual_first], output[e - output_first].
 struct EncodeArgs {
   const void* input;
+  uint64_t input_first;
   float* residual;
+  uint64_t residual_first;
   const uint8_t* skip_residual;
   uint8_t* payload;
   NoiseKey noise;
@@ -261,29 +265,34 @@ LGRECO_HD uint32_t clamp_valid(uint64_t window_valid, uint32_t offset) {
                                                                           : static_cast<uint32_t>(window_valid - offset));
 }
 
-// Loads window `window` of a bucket (values + residual) into v and extends the range with
-// its valid elements.
+// Loads one window of a bucket (values + residual) into v and extends the range with its
+// valid elements. Input element i of the window is input[first_in + i], its residual
+// residual[first_res + i]. Every chunk's loads are issued before any is used, so a warp
+// has the whole window (8 KB of float32 input and residual) in flight at once rather than
+// one chunk per memory round trip.
 template <DType T, bool kResidual>
-LGRECO_HD void load_window(const void* input, const float* residual, uint64_t first, uint64_t window_valid,
-                           uint32_t lane, bool vector_in, bool vector_res, Quad (&v)[kWindowChunks], Range& range) {
+LGRECO_HD void load_window(const void* input, const float* residual, uint64_t first_in, uint64_t first_res,
+                           uint64_t window_valid, uint32_t lane, bool vector_in, bool vector_res,
+                           Quad (&v)[kWindowChunks], Range& range) {
+  Quad r[kWindowChunks];
   LGRECO_UNROLL
   for (uint32_t c = 0; c < kWindowChunks; ++c) {
     const uint32_t offset = c * kChunkElements + lane * kLaneElements;
     const uint32_t valid = clamp_valid(window_valid, offset);
-    if (valid == 0) {
-      v[c] = Quad{{0.0f, 0.0f, 0.0f, 0.0f}};
-      continue;
-    }
     const bool full = valid == kLaneElements;
-    v[c] = load_quad<T>(input, first + offset, valid, full && vector_in);
-    if constexpr (kResidual) {
-      const Quad r = load_residual(residual, first + offset, valid, full && vector_res);
-      LGRECO_UNROLL
-      for (uint32_t s = 0; s < kLaneElements; ++s) v[c].v[s] = f32_add(v[c].v[s], r.v[s]);
-    }
+    v[c] = valid == 0 ? Quad{{0.0f, 0.0f, 0.0f, 0.0f}} : load_quad<T>(input, first_in + offset, valid, full && vector_in);
+    if constexpr (kResidual)
+      r[c] = valid == 0 ? Quad{{0.0f, 0.0f, 0.0f, 0.0f}}
+                        : load_residual(residual, first_res + offset, valid, full && vector_res);
+  }
+  LGRECO_UNROLL
+  for (uint32_t c = 0; c < kWindowChunks; ++c) {
+    const uint32_t valid = clamp_valid(window_valid, c * kChunkElements + lane * kLaneElements);
     LGRECO_UNROLL
-    for (uint32_t s = 0; s < kLaneElements; ++s)
+    for (uint32_t s = 0; s < kLaneElements; ++s) {
+      if constexpr (kResidual) v[c].v[s] = f32_add(v[c].v[s], r[c].v[s]);
       if (s < valid) extend(range, v[c].v[s]);
+    }
   }
 }
 
@@ -292,13 +301,14 @@ LGRECO_HD void encode_bucket(const W& w, const EncodeArgs& a, const KernelJob& j
   const uint32_t lane = w.lane();
   const uint64_t begin = b * job.bucket;  // within the slice
   const uint64_t n = job.count - begin < job.bucket ? job.count - begin : job.bucket;
-  const uint64_t first = job.element_offset + begin;  // in the element arrays
+  const uint64_t first_in = job.element_offset + begin - a.input_first;  // in input[]
+  const uint64_t first_res = job.element_offset + begin - a.residual_first;  // in residual[]
   const uint64_t layer_first = (uint64_t{job.first_bucket} + b) * job.bucket;
   const int bits = job.bits;
   const uint32_t top = max_code(bits);
   const bool use_residual = kResidual && !(a.skip_residual && a.skip_residual[job.layer]);
-  const bool vector_in = vector_aligned(a.input, first, static_cast<uint32_t>(dtype_size(T)));
-  const bool vector_res = use_residual && vector_aligned(a.residual, first, 4);
+  const bool vector_in = vector_aligned(a.input, first_in, static_cast<uint32_t>(dtype_size(T)));
+  const bool vector_res = use_residual && vector_aligned(a.residual, first_res, 4);
   const uint64_t windows = (n + kWindowElements - 1) / kWindowElements;
 
   const uint64_t count_buckets = bucket_count_of(job);
@@ -313,11 +323,11 @@ LGRECO_HD void encode_bucket(const W& w, const EncodeArgs& a, const KernelJob& j
   for (uint64_t wi = 0; wi < windows; ++wi) {
     const uint64_t window_valid = n - wi * kWindowElements;
     if (use_residual)
-      load_window<T, true>(a.input, a.residual, first + wi * kWindowElements, window_valid, lane, vector_in,
-                           vector_res, v, range);
+      load_window<T, true>(a.input, a.residual, first_in + wi * kWindowElements, first_res + wi * kWindowElements,
+                           window_valid, lane, vector_in, vector_res, v, range);
     else
-      load_window<T, false>(a.input, nullptr, first + wi * kWindowElements, window_valid, lane, vector_in, false, v,
-                            range);
+      load_window<T, false>(a.input, nullptr, first_in + wi * kWindowElements, 0, window_valid, lane, vector_in,
+                            false, v, range);
   }
   range = warp_range(w, range);
   const BucketMeta meta = bucket_meta(range.min, range.max, range.finite, bits);
@@ -350,10 +360,10 @@ LGRECO_HD void encode_bucket(const W& w, const EncodeArgs& a, const KernelJob& j
     if (windows > 1) {
       Range unused = empty_range();
       if (use_residual)
-        load_window<T, true>(a.input, a.residual, first + window_first, window_valid, lane, vector_in, vector_res, v,
-                             unused);
+        load_window<T, true>(a.input, a.residual, first_in + window_first, first_res + window_first, window_valid,
+                             lane, vector_in, vector_res, v, unused);
       else
-        load_window<T, false>(a.input, nullptr, first + window_first, window_valid, lane, vector_in, false, v,
+        load_window<T, false>(a.input, nullptr, first_in + window_first, 0, window_valid, lane, vector_in, false, v,
                               unused);
     }
     LGRECO_UNROLL
@@ -377,7 +387,7 @@ LGRECO_HD void encode_bucket(const W& w, const EncodeArgs& a, const KernelJob& j
         r.v[s] = f32_sub(v[c].v[s], dequantize(code, meta));
       }
       if (use_residual && valid > 0)
-        store_quad<DType::kFloat32>(a.residual, first + window_first + offset, valid,
+        store_quad<DType::kFloat32>(a.residual, first_res + window_first + offset, valid,
                                     valid == kLaneElements && vector_res, r);
       // Every lane takes part in every ballot; each keeps the four of the plane it writes.
       uint32_t mine[kLaneElements] = {0, 0, 0, 0};
@@ -400,6 +410,7 @@ LGRECO_HD void encode_bucket(const W& w, const EncodeArgs& a, const KernelJob& j
 struct DecodeArgs {
   const uint8_t* payload;
   void* output;
+  uint64_t output_first;
 };
 
 // decode (kAccumulate false: output of type T) or decode_accumulate (true: float32 +=).
@@ -408,7 +419,7 @@ LGRECO_HD void decode_bucket(const W& w, const DecodeArgs& a, const KernelJob& j
   const uint32_t lane = w.lane();
   const uint64_t begin = b * job.bucket;
   const uint64_t n = job.count - begin < job.bucket ? job.count - begin : job.bucket;
-  const uint64_t first = job.element_offset + begin;
+  const uint64_t first = job.element_offset + begin - a.output_first;  // in output[]
   const int bits = job.bits;
   const uint8_t* meta_in = a.payload + job.byte_offset + 8 * b;
   const uint32_t* words_in = reinterpret_cast<const uint32_t*>(a.payload + job.byte_offset + 8 * bucket_count_of(job)) +
@@ -456,7 +467,9 @@ struct StatsCandidate {
 
 struct StatsArgs {
   const void* input;
+  uint64_t input_first;
   const float* residual;
+  uint64_t residual_first;
   uint8_t* nonfinite;  // per layer
   double* partial;     // work items x candidate count
   uint32_t candidate_count;
@@ -474,17 +487,18 @@ LGRECO_HD void stats_bucket(const W& w, const StatsArgs& a, const KernelJob& job
   const uint32_t lane = w.lane();
   const uint64_t begin = b * job.bucket;
   const uint64_t n = job.count - begin < job.bucket ? job.count - begin : job.bucket;
-  const uint64_t first = job.element_offset + begin;
-  const bool vector_in = vector_aligned(a.input, first, static_cast<uint32_t>(dtype_size(T)));
-  const bool vector_res = kResidual && vector_aligned(a.residual, first, 4);
+  const uint64_t first_in = job.element_offset + begin - a.input_first;
+  const uint64_t first_res = job.element_offset + begin - a.residual_first;
+  const bool vector_in = vector_aligned(a.input, first_in, static_cast<uint32_t>(dtype_size(T)));
+  const bool vector_res = kResidual && vector_aligned(a.residual, first_res, 4);
   const uint64_t windows = (n + kWindowElements - 1) / kWindowElements;
   const float inf = bits_float(0x7f800000u);
 
   Quad v[kWindowChunks];
   Range range = empty_range();
   for (uint64_t wi = 0; wi < windows; ++wi)
-    load_window<T, kResidual>(a.input, a.residual, first + wi * kWindowElements, n - wi * kWindowElements, lane,
-                              vector_in, vector_res, v, range);
+    load_window<T, kResidual>(a.input, a.residual, first_in + wi * kWindowElements, first_res + wi * kWindowElements,
+                              n - wi * kWindowElements, lane, vector_in, vector_res, v, range);
   range = warp_range(w, range);
   const bool quant_ok = range.finite && is_finite_value(f32_sub(range.max, range.min));
   if (lane == 0 && (a.has_quant ? !quant_ok : !range.finite)) a.nonfinite[job.layer] = 1;
@@ -514,8 +528,8 @@ LGRECO_HD void stats_bucket(const W& w, const StatsArgs& a, const KernelJob& job
     const uint64_t window_valid = n - wi * kWindowElements;
     if (windows > 1) {
       Range unused = empty_range();
-      load_window<T, kResidual>(a.input, a.residual, first + wi * kWindowElements, window_valid, lane, vector_in,
-                                vector_res, v, unused);
+      load_window<T, kResidual>(a.input, a.residual, first_in + wi * kWindowElements,
+                                first_res + wi * kWindowElements, window_valid, lane, vector_in, vector_res, v, unused);
     }
     // Candidates outside, elements inside: each candidate's kind is one warp-uniform branch
     // per window, not one per element.

@@ -79,8 +79,7 @@ void encode_tables(const std::vector<warp::JobTable>& tables, const warp::Encode
 // quant::cuda::encode, with the emulated warp for the hardware one.
 void emulate_encode(const EncodeBatch& batch) {
   const std::vector<warp::JobTable> tables = quant::cuda::codec_tables(batch.jobs, "quant cuda encode");
-  const warp::EncodeArgs args{batch.input, batch.residual, batch.skip_residual, batch.payload, batch.noise,
-                              batch.nonfinite_buckets};
+  const warp::EncodeArgs args = quant::cuda::encode_args(batch, "quant cuda encode");
   switch (batch.input_dtype) {
     case DType::kFloat32: encode_tables<DType::kFloat32>(tables, args, batch.residual != nullptr); break;
     case DType::kFloat16: encode_tables<DType::kFloat16>(tables, args, batch.residual != nullptr); break;
@@ -98,7 +97,7 @@ void decode_tables(const std::vector<warp::JobTable>& tables, const warp::Decode
 // quant::cuda::decode / decode_accumulate.
 void emulate_decode(const DecodeBatch& batch, bool accumulate) {
   const std::vector<warp::JobTable> tables = quant::cuda::codec_tables(batch.jobs, "quant cuda decode");
-  const warp::DecodeArgs args{batch.payload, batch.output};
+  const warp::DecodeArgs args = quant::cuda::decode_args(batch, "quant cuda decode");
   if (accumulate) return decode_tables<DType::kFloat32, true>(tables, args);
   switch (batch.output_dtype) {
     case DType::kFloat32: decode_tables<DType::kFloat32, false>(tables, args); break;
@@ -138,13 +137,7 @@ void emulate_stats(const StatsBatch& batch) {
   const auto launches = quant::cuda::stats_launches(batch.jobs, batch.candidates, "quant cuda squared_errors");
   const uint64_t scratch_doubles = quant::cuda::stats_scratch_bytes(launches) / sizeof(double);
   for (const quant::cuda::StatsLaunch& launch : launches) {
-    warp::StatsArgs args{};
-    args.input = batch.input;
-    args.residual = batch.residual;
-    args.nonfinite = batch.nonfinite;
-    args.candidate_count = static_cast<uint32_t>(launch.candidates.size());
-    args.has_quant = launch.has_quant;
-    for (size_t c = 0; c < launch.candidates.size(); ++c) args.candidates[c] = launch.candidates[c];
+    warp::StatsArgs args = quant::cuda::stats_args(batch, launch, nullptr, "quant cuda squared_errors");
     for (const warp::JobTable& t : launch.tables) {
       const uint64_t used = uint64_t{t.total_work} * args.candidate_count;
       BOOST_TEST_REQUIRE(used <= scratch_doubles);  // stats_scratch_bytes covers every table
@@ -279,6 +272,15 @@ void inject_nonfinite(std::vector<float>& x, uint32_t bucket, bool pairs, std::m
   }
 }
 
+// A random array start (the batches' *_first) at or before every non-empty job's first
+// element: the kernels must address element e of a job at array[e - first].
+uint64_t random_first(const Batch& b, std::mt19937_64& rng) {
+  uint64_t lowest = b.elements;
+  for (const Job& j : b.jobs)
+    if (j.count > 0) lowest = std::min(lowest, j.element_offset);
+  return rng() % (lowest + 1);
+}
+
 struct Data {
   Elements input;
   std::vector<float> residual;  // empty: none
@@ -375,9 +377,11 @@ uint64_t check_encode(const Batch& b, DType dtype, bool with_residual, bool with
   unsigned long long counter = counter_start;
   EncodeBatch batch;
   batch.jobs = b.jobs;
-  batch.input = data.input.data();
+  batch.input_first = random_first(b, rng);
+  batch.input = data.input.at(batch.input_first);
   batch.input_dtype = dtype;
-  batch.residual = with_residual ? residual_emu.data() : nullptr;
+  batch.residual_first = random_first(b, rng);
+  batch.residual = with_residual ? residual_emu.data() + batch.residual_first : nullptr;
   batch.skip_residual = with_skip ? skip.data() : nullptr;
   batch.payload = payload_emu.data();
   batch.noise = key;
@@ -432,7 +436,8 @@ void check_decode(const Batch& b, DType out_dtype, bool accumulate, std::mt19937
     else
       quant::decode(j.params, in, j.count, t, out_ref.at(j.element_offset));
   }
-  emulate_decode(DecodeBatch{b.jobs, payload.data(), out_emu.data(), t}, accumulate);
+  const uint64_t output_first = random_first(b, rng);
+  emulate_decode(DecodeBatch{b.jobs, payload.data(), out_emu.at(output_first), t, output_first}, accumulate);
 
   BOOST_TEST_INFO_SCOPE(dtype_name(t) << " accumulate=" << accumulate << " jobs=" << b.jobs.size());
   const int64_t at = first_difference(out_emu.data(), out_ref.data(), out_ref.bytes.size());
@@ -782,6 +787,34 @@ BOOST_AUTO_TEST_CASE(codec_tables_split_before_work_items_overflow) {
   BOOST_TEST(warp::find_job(tables[0], 3u << 29) == 2u);
   BOOST_TEST(warp::find_job(tables[0], (3u << 29) - 1) == 2u);
   BOOST_TEST(warp::find_job(tables[0], (2u << 29) - 1) == 1u);
+}
+
+BOOST_AUTO_TEST_CASE(jobs_before_an_arrays_first_element_are_codec_errors) {
+  std::vector<Job> jobs(3);
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    jobs[i].count = 100;
+    jobs[i].element_offset = 1000 * (i + 1);
+  }
+  jobs[2].element_offset = 10;
+  EncodeBatch e;
+  e.jobs = jobs;
+  e.input_first = 500;
+  BOOST_CHECK_EXCEPTION(quant::cuda::encode_args(e, "enc"), CodecError, [](const CodecError& x) {
+    return std::string(x.what()).find("enc: job 2: element offset 10 is before input's first element 500") !=
+           std::string::npos;
+  });
+  e.input_first = 10;
+  e.residual_first = 11;
+  BOOST_CHECK_NO_THROW(quant::cuda::encode_args(e, "enc"));  // no residual: its first does not matter
+  float r = 0.0f;
+  e.residual = &r;
+  BOOST_CHECK_THROW(quant::cuda::encode_args(e, "enc"), CodecError);
+  DecodeBatch d;
+  d.jobs = jobs;
+  d.output_first = 11;
+  BOOST_CHECK_THROW(quant::cuda::decode_args(d, "dec"), CodecError);
+  jobs[2].count = 0;  // empty jobs address nothing
+  BOOST_CHECK_NO_THROW(quant::cuda::decode_args(d, "dec"));
 }
 
 BOOST_AUTO_TEST_CASE(bad_jobs_are_codec_errors_naming_the_job) {
