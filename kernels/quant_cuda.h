@@ -7,6 +7,10 @@
 // Arguments are checked on the host before anything is launched (CodecError names what
 // is wrong); a launch the runtime refuses throws CudaError with the runtime's message.
 // Faults inside a kernel surface, as always with CUDA, at the caller's next synchronisation.
+// A batch of more than 64 jobs takes several launches: if a later one is refused, the
+// earlier ones have been enqueued (an encode's residuals may already be changing), so the
+// caller must treat the whole call as failed. Jobs' output ranges must not overlap.
+// Launches go to the current device; the stream must belong to it.
 //
 // Calls are batched: one launch encodes (decodes, measures) many slices of many layers,
 // each with its own parameters, so that a bucket of a hundred layers costs one launch,
