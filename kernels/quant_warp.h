@@ -532,40 +532,72 @@ LGRECO_HD void stats_bucket(const W& w, const StatsArgs& a, const KernelJob& job
                                 first_res + wi * kWindowElements, window_valid, lane, vector_in, vector_res, v, unused);
     }
     // Candidates outside, elements inside: each candidate's kind is one warp-uniform branch
-    // per window, not one per element.
+    // per window, and the element loops hold no per-element tests. Elements past the end
+    // of the bucket are 0 for `none` (they add 0) and then become lo for the quant
+    // candidates (position 0, code 0, error 0).
     LGRECO_UNROLL
     for (uint32_t c = 0; c < kCapacity; ++c) {
       if (c >= a.candidate_count) break;
-      const bool none = a.candidates[c].bits == 0;
-      const bool constant = !none && inverse[c] == 0.0f;
-      // Round to nearest measures the actual error, the decoded value's float32 rounding
-      // included (it matters where |min| is much larger than unit), in units of `unit`.
-      const bool nearest = !none && !constant && a.candidates[c].stochastic == 0;
-      const float unit = nearest ? bucket_meta(range.min, range.max, true, a.candidates[c].bits).unit : 0.0f;
-      const float top = nearest ? static_cast<float>(max_code(a.candidates[c].bits)) : 0.0f;
+      if (a.candidates[c].bits != 0) continue;
       LGRECO_UNROLL
       for (uint32_t ch = 0; ch < kWindowChunks; ++ch) {
         if (ch * kChunkElements >= window_valid) break;  // warp-uniform
-        const uint32_t valid = clamp_valid(window_valid, ch * kChunkElements + lane * kLaneElements);
         LGRECO_UNROLL
-        for (uint32_t s = 0; s < kLaneElements; ++s) {
-          const float x = v[ch].v[s];
-          float d;
-          if (none) {  // what rounding to the element type loses
-            d = f32_sub(x, round_to_dtype(x, T));
-          } else if (constant) {  // every value decodes to lo
-            d = f32_sub(x, lo);
-          } else {
+        for (uint32_t s = 0; s < kLaneElements; ++s) {  // what rounding to the element type loses
+          const float d = f32_sub(v[ch].v[s], round_to_dtype(v[ch].v[s], T));
+          sum_sq[c] = f32_add(sum_sq[c], f32_mul(d, d));
+        }
+      }
+    }
+    LGRECO_UNROLL
+    for (uint32_t ch = 0; ch < kWindowChunks; ++ch) {
+      const uint32_t valid = clamp_valid(window_valid, ch * kChunkElements + lane * kLaneElements);
+      LGRECO_UNROLL
+      for (uint32_t s = 0; s < kLaneElements; ++s)
+        if (s >= valid) v[ch].v[s] = lo;
+    }
+    LGRECO_UNROLL
+    for (uint32_t c = 0; c < kCapacity; ++c) {
+      if (c >= a.candidate_count) break;
+      if (a.candidates[c].bits == 0) continue;
+      if (inverse[c] == 0.0f) {  // constant bucket: every value decodes to lo
+        LGRECO_UNROLL
+        for (uint32_t ch = 0; ch < kWindowChunks; ++ch) {
+          if (ch * kChunkElements >= window_valid) break;
+          LGRECO_UNROLL
+          for (uint32_t s = 0; s < kLaneElements; ++s) {
+            const float d = f32_sub(v[ch].v[s], lo);
+            sum_sq[c] = f32_add(sum_sq[c], f32_mul(d, d));
+          }
+        }
+      } else if (a.candidates[c].stochastic) {
+        LGRECO_UNROLL
+        for (uint32_t ch = 0; ch < kWindowChunks; ++ch) {
+          if (ch * kChunkElements >= window_valid) break;
+          LGRECO_UNROLL
+          for (uint32_t s = 0; s < kLaneElements; ++s) {
+            const float p = f32_mul(f32_sub(v[ch].v[s], lo), inverse[c]);
+            const float d = f32_sub(p, f32_sub(f32_add(p, kRoundMagic), kRoundMagic));
+            sum_abs[c] = f32_add(sum_abs[c], d < 0.0f ? -d : d);
+            sum_sq[c] = f32_add(sum_sq[c], f32_mul(d, d));
+          }
+        }
+      } else {
+        // Round to nearest measures the actual error, the decoded value's float32 rounding
+        // included (it matters where |min| is much larger than unit), in units of `unit`.
+        const float unit = bucket_meta(range.min, range.max, true, a.candidates[c].bits).unit;
+        const float top = static_cast<float>(max_code(a.candidates[c].bits));
+        LGRECO_UNROLL
+        for (uint32_t ch = 0; ch < kWindowChunks; ++ch) {
+          if (ch * kChunkElements >= window_valid) break;
+          LGRECO_UNROLL
+          for (uint32_t s = 0; s < kLaneElements; ++s) {
+            const float x = v[ch].v[s];
             const float p = f32_mul(f32_sub(x, lo), inverse[c]);
             const float code = f32_sub(f32_add(p, kRoundMagic), kRoundMagic);
-            if (nearest)
-              d = f32_mul(f32_sub(x, dequantize_value(code < top ? code : top, lo, unit)), inverse[c]);
-            else
-              d = f32_sub(p, code);
+            const float d = f32_mul(f32_sub(x, dequantize_value(code < top ? code : top, lo, unit)), inverse[c]);
+            sum_sq[c] = f32_add(sum_sq[c], f32_mul(d, d));
           }
-          if (s >= valid) d = 0.0f;
-          sum_abs[c] = f32_add(sum_abs[c], d < 0.0f ? -d : d);
-          sum_sq[c] = f32_add(sum_sq[c], f32_mul(d, d));
         }
       }
     }
