@@ -93,6 +93,17 @@ LGRECO_HD float load_as_float(const void* data, DType t, size_t i) {
   }
 }
 
+// load_as_float with the type known at compile time (the codecs' hot loops).
+template <DType T>
+LGRECO_HD float load_as_float(const void* data, size_t i) {
+  if constexpr (T == DType::kFloat32)
+    return static_cast<const float*>(data)[i];
+  else if constexpr (T == DType::kFloat16)
+    return half_to_float(static_cast<const uint16_t*>(data)[i]);
+  else
+    return bf16_to_float(static_cast<const uint16_t*>(data)[i]);
+}
+
 // Store a float32 into element i of a buffer of type t, rounding to nearest even.
 LGRECO_HD void store_from_float(void* data, DType t, size_t i, float value) {
   switch (t) {

@@ -160,18 +160,12 @@ void require(bool ok, const char* what, const char* message) {
 // context); say so on the host instead.
 bool aligned(const void* p, size_t alignment) { return reinterpret_cast<uintptr_t>(p) % alignment == 0; }
 
-bool has_elements(std::span<const Job> jobs) {
-  for (const Job& j : jobs)
-    if (j.count > 0) return true;
-  return false;
-}
-
 void run_decode(const DecodeBatch& batch, bool accumulate, cudaStream_t stream) {
   const char* what = accumulate ? "quant cuda decode_accumulate" : "quant cuda decode";
   const std::vector<JobTable> tables = codec_tables(batch.jobs, what);
   if (tables.empty()) return;
   require(batch.payload && batch.output, what, "payload and output must not be null");
-  require(reinterpret_cast<uintptr_t>(batch.payload) % 4 == 0, what, "the payload must be 4-byte aligned");
+  require(aligned(batch.payload, 4), what, "the payload must be 4-byte aligned");
   require(is_valid_dtype(static_cast<uint32_t>(batch.output_dtype)), what, "invalid output element type");
   require(!accumulate || batch.output_dtype == DType::kFloat32, what, "accumulators must be float32");
   require(aligned(batch.output, dtype_size(batch.output_dtype)), what, "the output is not aligned to its element size");
@@ -202,7 +196,7 @@ void encode(const EncodeBatch& batch, Stream stream) {
   const std::vector<JobTable> tables = codec_tables(batch.jobs, what);
   if (tables.empty()) return;
   require(batch.input && batch.payload, what, "input and payload must not be null");
-  require(reinterpret_cast<uintptr_t>(batch.payload) % 4 == 0, what, "the payload must be 4-byte aligned");
+  require(aligned(batch.payload, 4), what, "the payload must be 4-byte aligned");
   require(is_valid_dtype(static_cast<uint32_t>(batch.input_dtype)), what, "invalid input element type");
   require(aligned(batch.input, dtype_size(batch.input_dtype)), what, "the input is not aligned to its element size");
   require(aligned(batch.residual, 4), what, "the residual is not 4-byte aligned");
@@ -228,7 +222,7 @@ uint64_t stats_scratch_bytes(std::span<const Job> jobs, std::span<const CodecSpe
 void squared_errors(const StatsBatch& batch, Stream stream) {
   const char* what = "quant cuda squared_errors";
   const std::vector<StatsLaunch> launches = stats_launches(batch.jobs, batch.candidates, what);
-  if (!has_elements(batch.jobs) || launches.empty()) return;
+  if (launches.empty() || launches.front().tables.empty()) return;  // no candidates, or no elements
   require(batch.input && batch.squared && batch.nonfinite, what, "input, squared and nonfinite must not be null");
   require(is_valid_dtype(static_cast<uint32_t>(batch.input_dtype)), what, "invalid input element type");
   require(aligned(batch.input, dtype_size(batch.input_dtype)), what, "the input is not aligned to its element size");

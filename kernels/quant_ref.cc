@@ -20,21 +20,11 @@ namespace {
 constexpr int kLanes = 8;  // width of the explicit min/max lanes (one AVX2 vector)
 constexpr uint32_t kGroup = kGroupElements;
 
-template <DType T>
-LGRECO_CLONE_INLINE float load(const void* data, uint64_t i) {
-  if constexpr (T == DType::kFloat32)
-    return static_cast<const float*>(data)[i];
-  else if constexpr (T == DType::kFloat16)
-    return half_to_float(static_cast<const uint16_t*>(data)[i]);
-  else
-    return bf16_to_float(static_cast<const uint16_t*>(data)[i]);
-}
-
 // The value that is compressed: the input, plus the error-feedback residual if any.
 // Without a residual the input is used as is (no "+ 0.0f", which would turn -0 into +0).
 template <DType T, bool kResidual>
 LGRECO_CLONE_INLINE float corrected(const void* x, const float* residual, uint64_t i) {
-  const float v = load<T>(x, i);
+  const float v = load_as_float<T>(x, i);
   if constexpr (kResidual) return v + residual[i];
   return v;
 }

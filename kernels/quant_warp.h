@@ -99,16 +99,6 @@ struct Quad {
   float v[kLaneElements];
 };
 
-template <DType T>
-LGRECO_HD float load_one(const void* base, uint64_t i) {
-  if constexpr (T == DType::kFloat32)
-    return static_cast<const float*>(base)[i];
-  else if constexpr (T == DType::kFloat16)
-    return half_to_float(static_cast<const uint16_t*>(base)[i]);
-  else
-    return bf16_to_float(static_cast<const uint16_t*>(base)[i]);
-}
-
 // Elements [i, i + valid) of base widened to float32 (valid <= 4; the others are 0).
 // `vector` says that base + i is aligned for one access of all four (16 bytes for float32,
 // 8 for 16-bit types) and valid == 4.
@@ -134,7 +124,7 @@ LGRECO_HD Quad load_quad(const void* base, uint64_t i, uint32_t valid, bool vect
   (void)vector;
   LGRECO_UNROLL
   for (uint32_t s = 0; s < kLaneElements; ++s)
-    if (s < valid) q.v[s] = load_one<T>(base, i + s);
+    if (s < valid) q.v[s] = load_as_float<T>(base, i + s);
   return q;
 }
 
