@@ -1,7 +1,10 @@
 // lgreco-bench: the compressed allreduce, timed and checked, in the manner of nccl-tests'
 // all_reduce_perf. Ranks are threads (--fabric inproc) or processes (--fabric socket:
 // one process per rank with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT as torchrun sets
-// them, or --ranks N to start N local processes).
+// them, or --ranks N to start N local processes). --fabric nccl runs the processes on
+// the GPU: the engine's CUDA backend and NCCL fabric (plugin/shim) over a communicator
+// of the libnccl the tool loads itself, device buffers, and plain NCCL allreduce of the
+// same buffers timed beside it (built with CUDA only).
 //
 // Inputs come from a counter-based hash of (seed, rank, element), so every rank can
 // compute every rank's input and hence the exact float64 sum without exchanging it. The
@@ -15,6 +18,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -30,6 +34,20 @@
 #include "plugin/collective/socket_fabric.h"
 #include "tools/bench_util.h"
 #include "tools/cli.h"
+
+// Set by the Makefile when it builds with CUDA: --fabric nccl drives the device itself
+// (device choice, its stream) through the CUDA runtime.
+#ifdef LGRECO_BENCH_CUDA
+#include <cuda_runtime.h>
+#include <dlfcn.h>
+#include <signal.h>
+
+#include "plugin/shim/device_runtime.h"
+#include "plugin/shim/nccl_abi.h"
+#include "plugin/shim/nccl_api.h"
+#include "plugin/shim/nccl_fabric.h"
+#include "plugin/shim/nccl_locator.h"
+#endif
 
 namespace lgreco {
 namespace {
@@ -49,6 +67,8 @@ all_reduce_perf. One row per size:
   size count type codec time(us) algbw busbw wire_B wire_GB/s rel_err #wrong
 algbw = size / time and busbw = algbw * 2 (n-1) / n count uncompressed bytes, as in
 nccl-tests; wire_B is what one rank sent per call, wire_GB/s that over the time.
+--fabric nccl adds nccl_us, plain NCCL allreduce of the same buffers, and vs_nccl =
+nccl_us / time: how many times faster than plain NCCL.
 
 Sizes and iterations
   -b, --minbytes SIZE      smallest size (K, M, G suffixes; default 1M)
@@ -76,13 +96,23 @@ Compression
                            this many bytes that act as layers (default 1M)
 
 Ranks
-  --fabric inproc|socket   threads of this process, or processes over TCP (default inproc)
-  --ranks N                inproc: threads; socket: local processes to start, when no
-                           rank is given (default 4)
+  --fabric inproc|socket|nccl
+                           threads of this process, processes over TCP, or processes on
+                           the GPU through NCCL (default inproc). nccl: the CUDA backend
+                           and device buffers; the ranks meet as with socket, and rank 0
+                           hands NCCL's unique id to the others through that rendezvous.
+                           Needs a build with CUDA and a GPU
+  --ranks N                inproc: threads; socket, nccl: local processes to start, when
+                           no rank is given (default 4)
   --rank R --world-size N --master-addr HOST --master-port P
-                           socket: this process is rank R of N, rendezvous at rank 0's
-                           HOST:P (default: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+                           socket, nccl: this process is rank R of N, rendezvous at rank
+                           0's HOST:P (default: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
                            from the environment, as torchrun sets them)
+  --nccl-lib PATH          nccl: the libnccl to dlopen (default libnccl.so.2)
+  --device N               nccl: the CUDA device (default: LOCAL_RANK modulo the number
+                           of devices; the local processes --ranks starts get LOCAL_RANK =
+                           their rank; 0 without LOCAL_RANK). Several ranks on one GPU
+                           need a distinct NCCL_HOSTID each (docs/BENCH.md)
   --timeout S              longest wait for a peer, in seconds (default: LGRECO_TIMEOUT,
                            300)
   --seed N                 input seed (default 1)
@@ -108,9 +138,13 @@ struct Options {
   int rank = -1, world_size = -1;  // socket, given by flags
   std::string master_addr;
   int master_port = -1;
+  std::string nccl_lib = "libnccl.so.2";  // nccl
+  bool nccl_lib_given = false;
+  int device = -1;                        // nccl; -1: LOCAL_RANK modulo the device count
   uint64_t timeout_s = 0;  // 0: LGRECO_TIMEOUT
   uint64_t seed = 1;
   bool adaptive() const { return codec == "lgreco"; }
+  bool processes() const { return fabric == "socket" || fabric == "nccl"; }
 };
 
 uint64_t parse_size(const std::string& option, const std::string& text) {
@@ -201,8 +235,19 @@ Options parse(int argc, char** argv) {
       if (o.segment_bytes < 4096) throw cli::UsageError("--segment-bytes must be at least 4096");
     } else if (a == "--fabric") {
       o.fabric = args.value();
-      if (o.fabric != "inproc" && o.fabric != "socket")
-        throw cli::UsageError("--fabric expects inproc or socket, got '" + o.fabric + "'");
+      if (o.fabric != "inproc" && o.fabric != "socket" && o.fabric != "nccl")
+        throw cli::UsageError("--fabric expects inproc, socket or nccl, got '" + o.fabric + "'");
+#ifndef LGRECO_BENCH_CUDA
+      if (o.fabric == "nccl")
+        throw cli::UsageError("--fabric nccl needs a build with CUDA: this lgreco-bench was built without nvcc "
+                              "(make CUDA_HOME=/path/to/cuda)");
+#endif
+    } else if (a == "--nccl-lib") {
+      o.nccl_lib = args.value();
+      o.nccl_lib_given = true;
+      if (o.nccl_lib.empty()) throw cli::UsageError("--nccl-lib needs a path");
+    } else if (a == "--device") {
+      o.device = parse_int(a, args.value(), 0, 1023);
     } else if (a == "--ranks") {
       o.ranks = parse_int(a, args.value(), 1, 1024);
     } else if (a == "--rank") {
@@ -228,8 +273,10 @@ Options parse(int argc, char** argv) {
     throw cli::UsageError("--rank and --world-size go together");
   if (o.rank >= 0 && o.rank >= o.world_size)
     throw cli::UsageError("--rank " + std::to_string(o.rank) + " is not below --world-size " + std::to_string(o.world_size));
-  if ((o.rank >= 0 || !o.master_addr.empty() || o.master_port >= 0) && o.fabric != "socket")
-    throw cli::UsageError("--rank, --world-size, --master-addr and --master-port need --fabric socket");
+  if ((o.rank >= 0 || !o.master_addr.empty() || o.master_port >= 0) && !o.processes())
+    throw cli::UsageError("--rank, --world-size, --master-addr and --master-port need --fabric socket or nccl");
+  if ((o.nccl_lib_given || o.device >= 0) && o.fabric != "nccl")
+    throw cli::UsageError("--nccl-lib and --device need --fabric nccl");
   if (!o.registration.empty() && o.dtype_given)
     throw cli::UsageError("-d/--datatype does not go with --registration: each bucket's type is the registration's");
   if (!o.registration.empty() && !o.adaptive())
@@ -346,7 +393,28 @@ struct Row {
   std::string codec, type;
   double seconds = 0, wire_bytes = 0, rel_err = NAN;
   double wrong = NAN;
+  double nccl_seconds = NAN;  // --fabric nccl: plain NCCL allreduce of the same buffers
 };
+
+// Where one rank runs: the engine's fabric and backend, the fabric the check's host-side
+// sums go through (the engine's, except with NCCL, whose operations take device memory),
+// how to wait until everything enqueued is done (CPU: nothing to wait for; CUDA: the
+// stream), and, with NCCL, plain NCCL's allreduce of the same buffers to time beside it.
+struct RankContext {
+  RankContext(Fabric& engine_fabric, Fabric& check_fabric, collective::Backend& rank_backend)
+      : fabric(engine_fabric), host_fabric(check_fabric), backend(rank_backend) {}
+  Fabric& fabric;
+  Fabric& host_fabric;
+  collective::Backend& backend;
+  std::function<void()> sync = [] {};
+  // Enqueues one uncompressed allreduce of `count` elements of `dtype` from in to out.
+  std::function<void(const void* in, void* out, uint64_t count, DType dtype)> plain_allreduce;
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
 
 std::vector<BucketLayout> layouts_for(const Options& o, const EngineOptions& eo, uint64_t count) {
   std::vector<BucketLayout> out;
@@ -395,9 +463,10 @@ EngineOptions engine_options(const Options& o, int rank, int ranks) {
 }
 
 // Runs every size on this rank; rank 0's rows are returned.
-std::vector<Row> run_rank(const Options& o, Fabric& fabric) {
+std::vector<Row> run_rank(const Options& o, const RankContext& ctx) {
+  Fabric& fabric = ctx.fabric;
+  collective::Backend& backend = ctx.backend;
   const int n = fabric.size(), me = fabric.rank();
-  collective::CpuBackend backend;
   std::vector<Row> rows;
   std::vector<uint64_t> sizes;
   if (!o.registration.empty()) sizes = {0};
@@ -411,32 +480,43 @@ std::vector<Row> run_rank(const Options& o, Fabric& fabric) {
     const EngineOptions eo = engine_options(o, me, n);
     const std::vector<BucketLayout> buckets = layouts_for(o, eo, count);
     Engine engine(eo, buckets, fabric, backend);
-    std::vector<std::vector<uint8_t>> inputs(buckets.size()), outputs(buckets.size());
+    // Inputs and outputs are the backend's memory (device memory on CUDA): inputs are
+    // uploaded once, outputs read back into host memory for the check.
+    std::vector<std::unique_ptr<collective::Backend::Buffer>> inputs(buckets.size()), out_buffers(buckets.size());
+    std::vector<std::vector<uint8_t>> outputs(buckets.size());
     uint64_t offset = 0, total_count = 0;
     for (size_t b = 0; b < buckets.size(); ++b) {
       // Element i of bucket b draws input i + offset: buckets hold different values.
       const DType t = buckets[b].dtype;
-      inputs[b].resize(buckets[b].count * dtype_size(t));
+      std::vector<uint8_t> input(buckets[b].count * dtype_size(t));
       for (uint64_t i = 0; i < buckets[b].count; ++i)
-        store_from_float(inputs[b].data(), t, i, input_value(o.seed, me, offset + i, t));
+        store_from_float(input.data(), t, i, input_value(o.seed, me, offset + i, t));
       offset += buckets[b].count;
-      outputs[b].assign(inputs[b].size(), 0);
+      inputs[b] = backend.allocate(input.size());
+      backend.upload(inputs[b]->data(), input.data(), input.size());
+      out_buffers[b] = backend.allocate(input.size());
+      outputs[b].assign(input.size(), 0);
       total_count += buckets[b].count;
     }
+    ctx.sync();
     std::vector<double> times;
     double wire = 0;
     std::string codec_name;
     uint64_t step = 0;
+    // One iteration: every bucket's call, then a wait until the queue is empty, so that
+    // the time covers the work, not only its launch.
     auto iterate = [&](bool timed) {
       const uint64_t sent_before = engine.counters().wire_bytes_sent;
       const double start = cli::seconds_now();
       for (size_t b = 0; b < buckets.size(); ++b) {
-        const CallOutcome out = engine.allreduce({static_cast<uint32_t>(b), step, inputs[b].data(), outputs[b].data(),
-                                                  buckets[b].count, buckets[b].dtype, o.op, false});
+        const CallOutcome out = engine.allreduce({static_cast<uint32_t>(b), step, inputs[b]->data(),
+                                                  out_buffers[b]->data(), buckets[b].count, buckets[b].dtype, o.op,
+                                                  false});
         if (out.kind == CallOutcome::Kind::kError) throw std::runtime_error(out.message);
         if (out.kind == CallOutcome::Kind::kPassThrough)
           throw std::runtime_error("the engine passed the call through: " + out.message);
       }
+      ctx.sync();
       const double seconds = cli::seconds_now() - start;
       ++step;
       if (timed) {
@@ -446,6 +526,8 @@ std::vector<Row> run_rank(const Options& o, Fabric& fabric) {
     };
     for (int i = 0; i < o.warmup; ++i) iterate(false);
     for (int i = 0; i < o.iters; ++i) iterate(true);
+    for (size_t b = 0; b < buckets.size(); ++b)
+      backend.read_back(outputs[b].data(), out_buffers[b]->data(), outputs[b].size())->wait();
 
     Row row;
     row.type = dtype_name(buckets.empty() ? o.dtype : buckets[0].dtype);
@@ -454,9 +536,21 @@ std::vector<Row> run_rank(const Options& o, Fabric& fabric) {
       if (bucket.dtype != buckets[0].dtype) row.type = "mixed";
     }
     row.count = total_count;
-    std::sort(times.begin(), times.end());
-    row.seconds = times[times.size() / 2];
+    row.seconds = median(times);
     row.wire_bytes = wire / o.iters;
+    if (ctx.plain_allreduce) {
+      // Plain NCCL on the same buffers (the engine's outputs are read back already),
+      // warmed up and timed the same way.
+      std::vector<double> plain;
+      for (int i = 0; i < o.warmup + o.iters; ++i) {
+        const double start = cli::seconds_now();
+        for (size_t b = 0; b < buckets.size(); ++b)
+          ctx.plain_allreduce(inputs[b]->data(), out_buffers[b]->data(), buckets[b].count, buckets[b].dtype);
+        ctx.sync();
+        if (i >= o.warmup) plain.push_back(cli::seconds_now() - start);
+      }
+      row.nccl_seconds = median(plain);
+    }
     if (o.adaptive()) {
       // The adaptive assignment: average bits per value of the last iteration's codecs.
       double bits = 0;
@@ -489,7 +583,7 @@ std::vector<Row> run_rank(const Options& o, Fabric& fabric) {
       std::vector<double> sums(n + 1, 0.0);
       sums[me] = static_cast<double>(h >> 12);  // 52 bits: exact in a double
       sums[n] = static_cast<double>(o.error_feedback ? 0 : c.wrong);  // the bound assumes no residual
-      fabric.all_reduce_sum(std::span<double>(sums));
+      ctx.host_fabric.all_reduce_sum(std::span<double>(sums));
       double wrong = sums[n];
       for (int r = 1; r < n; ++r)
         if (sums[r] != sums[0]) wrong += static_cast<double>(total_count);
@@ -501,10 +595,10 @@ std::vector<Row> run_rank(const Options& o, Fabric& fabric) {
   return rows;
 }
 
-void print_header(const Options& o, int ranks) {
+void print_header(const Options& o, int ranks, const std::string& backend = "cpu") {
   printf("# lgreco-bench %s (%s)\n", version_string(), bench::utc_now().c_str());
-  printf("# ranks %d, fabric %s, backend cpu, codec %s, algorithm %s, error feedback %s, op %s, datatype %s\n",
-         ranks, o.fabric.c_str(), o.codec.c_str(), collective::algorithm_name(o.algorithm),
+  printf("# ranks %d, fabric %s, backend %s, codec %s, algorithm %s, error feedback %s, op %s, datatype %s\n",
+         ranks, o.fabric.c_str(), backend.c_str(), o.codec.c_str(), collective::algorithm_name(o.algorithm),
          o.error_feedback ? "on" : "off", o.op == ReduceOp::kAvg ? "avg" : "sum",
          o.registration.empty() ? dtype_name(o.dtype) : "the registration's");
   if (o.adaptive())
@@ -514,8 +608,10 @@ void print_header(const Options& o, int ranks) {
            o.registration.empty() ? "" : ", registration ", o.registration.c_str());
   printf("# iterations %d timed (median) after %d warm-up; seed %llu; cpu %s\n", o.iters, o.warmup,
          static_cast<unsigned long long>(o.seed), bench::cpu_model().c_str());
-  printf("#%12s %12s %9s %22s %11s %9s %9s %12s %9s %10s %8s\n", "size", "count", "type", "codec", "time(us)",
+  printf("#%12s %12s %9s %22s %11s %9s %9s %12s %9s %10s %8s", "size", "count", "type", "codec", "time(us)",
          "algbw", "busbw", "wire_B", "wire_GB/s", "rel_err", "#wrong");
+  if (o.fabric == "nccl") printf(" %11s %8s", "nccl_us", "vs_nccl");
+  printf("\n");
   fflush(stdout);
 }
 
@@ -525,9 +621,11 @@ void print_row(const Row& r, int ranks) {
   char wrong[32] = "-", rel[32] = "-";
   if (!std::isnan(r.wrong)) snprintf(wrong, sizeof wrong, "%.0f", r.wrong);
   if (!std::isnan(r.rel_err)) snprintf(rel, sizeof rel, "%.3e", r.rel_err);
-  printf(" %12llu %12llu %9s %22s %11.1f %9.3f %9.3f %12.0f %9.3f %10s %8s\n",
+  printf(" %12llu %12llu %9s %22s %11.1f %9.3f %9.3f %12.0f %9.3f %10s %8s",
          static_cast<unsigned long long>(r.bytes), static_cast<unsigned long long>(r.count), r.type.c_str(),
          r.codec.c_str(), r.seconds * 1e6, algbw, busbw, r.wire_bytes, r.wire_bytes / r.seconds / 1e9, rel, wrong);
+  if (!std::isnan(r.nccl_seconds)) printf(" %11.1f %8.2f", r.nccl_seconds * 1e6, r.nccl_seconds / r.seconds);
+  printf("\n");
   fflush(stdout);
 }
 
@@ -551,8 +649,9 @@ int run_inproc(const Options& o) {
   for (int r = 0; r < o.ranks; ++r)
     threads.emplace_back([&, r] {
       collective::InProcFabric fabric(hub, r);
+      collective::CpuBackend backend;
       try {
-        auto mine = run_rank(o, fabric);
+        auto mine = run_rank(o, RankContext{fabric, fabric, backend});
         if (r == 0) rows = std::move(mine);
       } catch (const std::exception& e) {
         errors[r] = e.what();
@@ -565,15 +664,152 @@ int run_inproc(const Options& o) {
   return report(rows, o, o.ranks);
 }
 
+#ifdef LGRECO_BENCH_CUDA
+// ---------------------------------------------------------------------------------------
+// --fabric nccl: one process per rank on the GPU
+
+// The two calls that create a communicator, which the shim's table does not hold (the
+// shim never creates one). Declared here from nccl.h's signatures with nccl_abi.h's types:
+// the tool neither includes nccl.h nor links libnccl.
+using GetUniqueIdFn = nccl::Result (*)(nccl::UniqueId* id);
+using CommInitRankFn = nccl::Result (*)(nccl::Comm* comm, int nranks, nccl::UniqueId id, int rank);
+
+void cuda_check(cudaError_t e, const char* call) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string(call) + ": " + cudaGetErrorString(e));
+}
+
+nccl::DataType nccl_dtype(DType t) {
+  switch (t) {
+    case DType::kFloat32: return nccl::kFloat32;
+    case DType::kFloat16: return nccl::kFloat16;
+    case DType::kBFloat16: return nccl::kBfloat16;
+  }
+  throw std::logic_error("no NCCL type for this dtype");
+}
+
+template <typename Fn>
+Fn nccl_symbol(void* lib, const std::string& path, const char* pname, const char* name) {
+  void* f = dlsym(lib, pname);
+  if (!f) f = dlsym(lib, name);
+  if (!f) throw std::runtime_error("--fabric nccl: " + path + " exports neither " + pname + " nor " + name);
+  return reinterpret_cast<Fn>(f);
+}
+
+// The CUDA device of this rank: --device, else LOCAL_RANK modulo the devices, else 0.
+int pick_device(const Options& o) {
+  int devices = 0;
+  const cudaError_t e = cudaGetDeviceCount(&devices);
+  if (e != cudaSuccess || devices == 0)
+    throw std::runtime_error(std::string("--fabric nccl needs a CUDA device, and this process sees none (cudaGetDeviceCount: ") +
+                             (e != cudaSuccess ? cudaGetErrorString(e) : "0 devices") + ")");
+  if (o.device >= 0) {
+    if (o.device >= devices)
+      throw std::runtime_error("--device " + std::to_string(o.device) + ": this process sees " +
+                               std::to_string(devices) + " CUDA device(s)");
+    return o.device;
+  }
+  const char* local = getenv("LOCAL_RANK");
+  if (!local || !*local) return 0;
+  char* end = nullptr;
+  const long v = strtol(local, &end, 10);
+  if (*end != '\0' || v < 0) throw std::runtime_error(std::string("LOCAL_RANK is not a rank: '") + local + "'");
+  return static_cast<int>(v % devices);
+}
+
+int run_nccl_rank(const Options& o, const collective::SocketFabricOptions& so) {
+  // NCCL first: a wrong --nccl-lib is reported the same with or without a GPU. The
+  // shim's resolver then finds it among the loaded objects, as it finds a framework's.
+  void* lib = dlopen(o.nccl_lib.c_str(), RTLD_NOW | RTLD_GLOBAL);
+  if (!lib)
+    throw std::runtime_error("--fabric nccl: cannot load NCCL from '" + o.nccl_lib + "' (--nccl-lib PATH): " +
+                             dlerror());
+  const auto get_unique_id = nccl_symbol<GetUniqueIdFn>(lib, o.nccl_lib, "pncclGetUniqueId", "ncclGetUniqueId");
+  const auto comm_init_rank = nccl_symbol<CommInitRankFn>(lib, o.nccl_lib, "pncclCommInitRank", "ncclCommInitRank");
+  std::string error;
+  const std::optional<shim::ResolvedNccl> resolved = shim::resolve_loaded_nccl(&error);
+  if (!resolved) throw std::runtime_error("--fabric nccl: " + o.nccl_lib + ": " + error);
+  const shim::NcclApi& api = resolved->api;
+  auto nccl_check = [&](nccl::Result r, const char* call) {
+    if (r != nccl::kSuccess) throw std::runtime_error(std::string(call) + ": " + api.error_string(r));
+  };
+
+  const int device = pick_device(o);
+  cuda_check(cudaSetDevice(device), "cudaSetDevice");
+  cudaDeviceProp prop{};
+  cuda_check(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
+
+  // The ranks meet through the socket fabric's rendezvous; it carries NCCL's unique id
+  // from rank 0 to the others, and later the check's sums (host memory).
+  auto host = collective::SocketFabric::create(so);
+  nccl::UniqueId id{};
+  if (so.rank == 0) nccl_check(get_unique_id(&id), "ncclGetUniqueId");
+  std::vector<uint8_t> ids(sizeof id * so.world_size);
+  const std::vector<uint64_t> id_bytes(so.world_size, sizeof id);
+  host->all_gather_v(reinterpret_cast<const uint8_t*>(&id), id_bytes, ids.data());
+  memcpy(&id, ids.data(), sizeof id);  // rank 0's
+  nccl::Comm comm = nullptr;
+  nccl_check(comm_init_rank(&comm, so.world_size, id, so.rank), "ncclCommInitRank");
+
+  cudaStream_t stream = nullptr;
+  cuda_check(cudaStreamCreate(&stream), "cudaStreamCreate");
+  int code = 0;
+  try {
+    std::unique_ptr<shim::DeviceRuntime> runtime = shim::cuda_runtime();
+    std::unique_ptr<shim::StreamBackend> backend = runtime->create_backend(device, 0);
+    backend->set_stream(stream);
+    shim::NcclFabric fabric(api, comm, so.rank, so.world_size, std::chrono::milliseconds(so.timeout));
+    fabric.set_stream(stream);
+    RankContext ctx{fabric, *host, *backend};
+    ctx.sync = [&] { cuda_check(cudaStreamSynchronize(stream), "cudaStreamSynchronize"); };
+    ctx.plain_allreduce = [&](const void* in, void* out, uint64_t count, DType t) {
+      nccl_check(api.all_reduce(in, out, count, nccl_dtype(t), o.op == ReduceOp::kAvg ? nccl::kAvg : nccl::kSum, comm,
+                                stream),
+                 "ncclAllReduce");
+    };
+    if (so.rank == 0) {
+      print_header(o, so.world_size, runtime->name() + " on device " + std::to_string(device) + " (" + prop.name + ")");
+      printf("# nccl %s at %s; plain NCCL allreduce of the same buffers timed the same way: nccl_us, vs_nccl\n",
+             shim::nccl_version_name(resolved->version_code).c_str(), resolved->path.c_str());
+      fflush(stdout);
+    }
+    const std::vector<Row> rows = run_rank(o, ctx);
+    code = so.rank == 0 ? report(rows, o, so.world_size) : 0;
+    ctx.sync();
+  } catch (...) {
+    // Peers waiting in the check's exchange fail at once; NCCL's own waits end when the
+    // launcher (or the user) ends the processes: never destroy a communicator whose
+    // operations may still be running.
+    host->abort("rank " + std::to_string(so.rank) + " failed");
+    api.comm_abort(comm);
+    throw;
+  }
+  nccl_check(api.comm_destroy(comm), "ncclCommDestroy");
+  cuda_check(cudaStreamDestroy(stream), "cudaStreamDestroy");
+  return code;
+}
+#endif
+
 int run_socket_rank(const Options& o, const collective::SocketFabricOptions& so) {
+#ifdef LGRECO_BENCH_CUDA
+  if (o.fabric == "nccl") {
+    try {
+      return run_nccl_rank(o, so);
+    } catch (const std::exception& e) {
+      const std::string what = e.what();
+      if (what.rfind("--fabric nccl", 0) == 0) throw;
+      throw std::runtime_error("--fabric nccl, rank " + std::to_string(so.rank) + ": " + what);
+    }
+  }
+#endif
   auto fabric = collective::SocketFabric::create(so);
+  collective::CpuBackend backend;
   if (so.rank == 0) print_header(o, so.world_size);
-  const std::vector<Row> rows = run_rank(o, *fabric);
+  const std::vector<Row> rows = run_rank(o, RankContext{*fabric, *fabric, backend});
   return so.rank == 0 ? report(rows, o, so.world_size) : 0;
 }
 
-// --fabric socket: this process is one rank (flags, else torchrun's environment), or,
-// with neither, it starts --ranks local processes.
+// --fabric socket or nccl: this process is one rank (flags, else torchrun's environment),
+// or, with neither, it starts --ranks local processes.
 int run_socket(const Options& o) {
   if (o.rank >= 0 || (getenv("RANK") && getenv("WORLD_SIZE"))) {
     collective::SocketFabricOptions so;  // rendezvous at 127.0.0.1:29500 unless told otherwise
@@ -599,6 +835,8 @@ int run_socket(const Options& o) {
     if (pid < 0) throw std::runtime_error(std::string("fork: ") + strerror(errno));
     if (pid == 0) {
       so.rank = r;
+      // Local processes, as torchrun starts them: the local rank picks the device.
+      if (o.fabric == "nccl") setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
       const int code = cli::guarded_main("lgreco-bench", [&] { return run_socket_rank(o, so); });
       fflush(stdout);
       _exit(code);
@@ -606,11 +844,17 @@ int run_socket(const Options& o) {
     children.push_back(pid);
   }
   int worst = 0;
-  for (pid_t pid : children) {
+  for (size_t left = children.size(); left > 0; --left) {
     int status = 0;
-    waitpid(pid, &status, 0);
+    const pid_t pid = waitpid(-1, &status, 0);
+    if (pid < 0) break;
     const int code = WIFEXITED(status) ? WEXITSTATUS(status) : 1;
     worst = std::max(worst, code);
+    // With NCCL a failed rank can leave its peers waiting on the GPU for ever (NCCL's
+    // own waits have no timeout): end them.
+    if (code != 0 && o.fabric == "nccl")
+      for (pid_t other : children)
+        if (other != pid) kill(other, SIGTERM);
   }
   return worst;
 }
@@ -621,6 +865,6 @@ int run_socket(const Options& o) {
 int main(int argc, char** argv) {
   return lgreco::cli::guarded_main("lgreco-bench", [&] {
     const lgreco::Options o = lgreco::parse(argc, argv);
-    return o.fabric == "socket" ? lgreco::run_socket(o) : lgreco::run_inproc(o);
+    return o.processes() ? lgreco::run_socket(o) : lgreco::run_inproc(o);
   });
 }

@@ -1,5 +1,5 @@
-// lgreco-bench as a user runs it: the table, its check, both fabrics, the adaptive mode,
-// and its command-line errors.
+// lgreco-bench as a user runs it: the table, its check, the CPU fabrics, the adaptive
+// mode, the NCCL fabric's failures without a GPU, and its command-line errors.
 #include <boost/test/unit_test.hpp>
 #include <sstream>
 #include <string>
@@ -66,9 +66,36 @@ BOOST_AUTO_TEST_CASE(adaptive_mode_switches_and_checks_clean) {
   BOOST_TEST(test::contains(r.output, ",e1)"), r.output);  // the first assignment was in effect
 }
 
+// --fabric nccl needs CUDA, a GPU and a libnccl that loads. Without one of them it ends
+// with a message that says which, never a crash or a hang: a usage error in a build
+// without CUDA, exit 1 otherwise. With all of them (a GPU machine), one rank runs clean.
+BOOST_AUTO_TEST_CASE(nccl_fabric_fails_cleanly_without_what_it_needs) {
+  const std::string common = bench() + " --fabric nccl --ranks 1 -b 256K -n 2 -w 1 --timeout 30";
+  // A libnccl that does not load: the same answer with or without a GPU.
+  auto r = test::run_command(common + " --nccl-lib /nonexistent/libnccl.so.2");
+  BOOST_TEST((r.exit_code == 1 || r.exit_code == 2), r.output);
+  BOOST_TEST(test::contains(r.output, "--fabric nccl"), r.output);
+  if (r.exit_code == 1) BOOST_TEST(test::contains(r.output, "cannot load NCCL from '/nonexistent/libnccl.so.2'"), r.output);
+  // The default library, and whatever GPU there is (none in CI).
+  r = test::run_command("LGRECO_DEBUG=NONE " + common);
+  if (r.exit_code == 0) {
+    BOOST_TEST(test::contains(r.output, "# Out of bounds values : 0 OK"), r.output);
+    const auto table = rows_of(r.output);
+    BOOST_TEST_REQUIRE(table.size() == 1u, r.output);
+    BOOST_TEST_REQUIRE(table[0].size() == 13u, r.output);  // + nccl_us, vs_nccl
+    BOOST_TEST(table[0][10] == "0");
+    BOOST_TEST(std::stod(table[0][12]) > 0.0);
+  } else {
+    BOOST_TEST((r.exit_code == 1 || r.exit_code == 2), r.output);
+    BOOST_TEST(test::contains(r.output, "--fabric nccl"), r.output);
+  }
+}
+
 BOOST_AUTO_TEST_CASE(mistakes_are_usage_errors) {
   for (const char* args : {"-b 1M -e 64K", "--codec quant:bits=9", "--fabric carrier-pigeon", "--ranks 0",
-                           "--schedule 1,1,1,1", "--registration x.json", "-d double", "--frobnicate"}) {
+                           "--schedule 1,1,1,1", "--registration x.json", "-d double", "--frobnicate",
+                           "--device 0", "--nccl-lib libnccl.so.2", "--fabric nccl --device x",
+                           "--fabric inproc --rank 0 --world-size 2"}) {
     const auto r = test::run_command(bench() + " " + args);
     BOOST_TEST(r.exit_code == 2, args << ": " << r.output);
     BOOST_TEST(test::contains(r.output, "Try 'lgreco-bench --help'"), r.output);
