@@ -221,6 +221,18 @@ void BucketMatcher::adopt_auto(std::vector<CallKey> period) {
   ++adoptions_;
 }
 
+std::vector<const RegisteredBucket*> BucketMatcher::auto_pattern_layouts() {
+  std::vector<const RegisteredBucket*> out;
+  if (registration_) return out;
+  for (const CallKey& k : pattern_) {
+    const auto target = target_.find(k);
+    if (target == target_.end()) continue;  // called more than once per step
+    if (out.size() <= target->second) out.resize(target->second + 1, nullptr);
+    if (k.count * dtype_size(k.dtype) >= settings_.min_bytes) out[target->second] = auto_layout_for(k);
+  }
+  return out;
+}
+
 void BucketMatcher::drop_pattern() {
   pattern_.clear();
   target_.clear();

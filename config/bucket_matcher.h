@@ -107,6 +107,13 @@ class BucketMatcher {
 
   uint64_t step() const { return step_; }
   bool has_pattern() const { return !pattern_.empty(); }
+  // Counts the patterns learned so far: a caller that keeps state per pattern (the shim's
+  // engine in auto mode) starts afresh when it changes.
+  uint64_t pattern_generation() const { return adoptions_; }
+  // Auto mode: the layout of each auto index (Match::bucket) of the current pattern, or
+  // null for an index whose calls pass through (below min_bytes, too many layouts).
+  // Empty without a pattern or with a registration.
+  std::vector<const RegisteredBucket*> auto_pattern_layouts();
 
  private:
   struct CallKeyHash {

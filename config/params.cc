@@ -199,6 +199,11 @@ const ParamInfo kParamTable[] = {
      "Auto mode: the size of the segments a buffer is split into (in the buffer's dtype; rounded down to whole "
      "1024-element groups).",
      BYTES(segment_bytes, 4096, uint64_t{1} << 40)},
+    {"LGRECO_MAX_MEMORY", "0", "bytes (K, M, G suffixes allowed); `0`: no cap",
+     "The most memory lgreco may hold per communicator: device memory for the error-feedback residuals (a "
+     "float32 copy of every compressed gradient), staging and statistics, plus pinned host memory for "
+     "read-backs. A communicator that would need more passes through on every rank, with one WARN.",
+     BYTES(max_memory, 0, uint64_t{1} << 50)},
     {"LGRECO_ERROR_FEEDBACK", "1", "`0`, `1`",
      "`1`: each rank keeps what compression lost (a float32 residual per compressed element) and adds it to the "
      "next step's gradient, so errors do not accumulate. `0`: one-shot compression, no residual memory.",

@@ -52,6 +52,7 @@ struct Params {
   double solver_tolerance = 1e-3;
   uint64_t min_bytes = 256 * 1024;
   uint64_t segment_bytes = 1024 * 1024;
+  uint64_t max_memory = 0;             // bytes per communicator; 0: no cap
   bool error_feedback = true;
   std::string algorithm = "auto";      // auto | sra | allgather (plugin/collective/engine.h)
   uint64_t timeout_seconds = 300;

@@ -1,0 +1,50 @@
+// What the shim needs from the GPU runtime, behind an interface: the CUDA runtime in
+// production (cuda_backend.h), host memory and the CPU backend in the tests, which then
+// run the whole shim (dispatch, engine, NCCL fabric over a test double of NCCL) without
+// a GPU.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "plugin/collective/backend.h"
+#include "plugin/shim/nccl_abi.h"
+
+namespace lgreco::shim {
+
+// A Backend whose queue is a stream the caller chooses per call: each NCCL call names
+// its stream, and the engine's operations of that call go there.
+class StreamBackend : public collective::Backend {
+ public:
+  // Operations from now on are enqueued on `stream`, ordered after everything enqueued
+  // on the previous stream (CUDA: an event recorded there, waited for here), so that
+  // residuals written by one call are read by the next whatever stream it uses.
+  virtual void set_stream(nccl::Stream stream) = 0;
+  // Memory this backend holds now: device memory (residuals, staging, samples) and
+  // pinned host memory (read-backs), for the INFO report and the cap.
+  virtual uint64_t device_bytes() const = 0;
+  virtual uint64_t host_bytes() const = 0;
+};
+
+class DeviceRuntime {
+ public:
+  virtual ~DeviceRuntime() = default;
+  virtual std::string name() const = 0;
+
+  // Whether work enqueued on `stream` is being captured into a CUDA graph. A query that
+  // fails answers true, with *error saying why (the call then passes through).
+  virtual bool capturing(nccl::Stream stream, std::string* error) = 0;
+
+  // The backend of one communicator, on CUDA device `device`. Allocations beyond
+  // memory_cap bytes in all (device plus pinned host; 0: no cap) throw std::bad_alloc,
+  // as a failed allocation does, so that the engine makes every rank pass through.
+  // Throws std::runtime_error when the device cannot be used.
+  virtual std::unique_ptr<StreamBackend> create_backend(int device, uint64_t memory_cap) = 0;
+};
+
+// The CUDA runtime (plugin/shim/cuda_backend.cu). In a build without CUDA, capturing()
+// answers false and create_backend() throws.
+std::unique_ptr<DeviceRuntime> cuda_runtime();
+
+}  // namespace lgreco::shim

@@ -1,0 +1,553 @@
+#include "plugin/shim/shim.h"
+
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include "config/bucket_matcher.h"
+#include "config/log.h"
+#include "config/text_file.h"
+#include "config/version.h"
+#include "plugin/collective/engine.h"
+#include "plugin/shim/nccl_fabric.h"
+
+namespace lgreco::shim {
+
+using collective::CallOutcome;
+using collective::Engine;
+using collective::EngineCall;
+using collective::EngineOptions;
+
+namespace {
+
+std::atomic<uint64_t> g_next_shim_id{1};
+
+bool compressible_dtype(nccl::DataType t, DType* out) {
+  switch (t) {
+    case nccl::kFloat32: *out = DType::kFloat32; return true;
+    case nccl::kFloat16: *out = DType::kFloat16; return true;
+    case nccl::kBfloat16: *out = DType::kBFloat16; return true;
+    default: return false;
+  }
+}
+
+// What ranks exchange to agree on a communicator (plain data, the same layout everywhere).
+struct AgreementRecord {
+  uint64_t config_digest;
+  uint32_t ok;  // 1: this rank can compress
+  uint32_t rank;
+};
+static_assert(sizeof(AgreementRecord) == 16);
+
+// Reasons a call passes through (static text; counted per communicator).
+constexpr const char kInGroup[] = "inside a group with other operations";
+constexpr const char kCapturing[] = "its stream is being captured into a CUDA graph";
+constexpr const char kInProgress[] = "the communicator has a non-blocking operation in progress";
+constexpr const char kCommError[] = "the communicator reports an error";
+constexpr const char kOp[] = "a reduction other than sum or avg";
+constexpr const char kType[] = "an element type other than float32, float16 or bfloat16";
+constexpr const char kSmall[] = "smaller than LGRECO_MIN_BYTES";
+constexpr const char kNoBuffer[] = "a null buffer";
+
+}  // namespace
+
+struct Shim::CommState {
+  nccl::Comm comm = nullptr;
+  int rank = 0, size = 1, device = 0;
+  enum class Agreement : uint8_t { kPending, kAgreed, kPassThrough } agreement = Agreement::kPending;
+  std::string pass_reason;  // kPassThrough: why, for the counters
+  std::unique_ptr<config::BucketMatcher> matcher;
+  std::unique_ptr<StreamBackend> backend;
+  std::unique_ptr<NcclFabric> fabric;
+  std::unique_ptr<Engine> engine;
+  uint64_t engine_generation = 0;  // the matcher's pattern the engine was built for
+  std::vector<int> engine_bucket;  // matcher bucket -> engine bucket, -1: passes through
+  bool memory_reported = false;
+  CommCounters counters;
+  std::string last_error;
+};
+
+struct Shim::GroupState {
+  uint64_t owner = 0;
+  int depth = 0;
+  bool mixed = false;  // holds an operation other than one deferred allreduce
+  std::optional<Call> deferred;
+};
+
+std::string summary_line(int rank, int size, const CommCounters& c) {
+  const uint64_t ring = size > 1 ? c.gradient_bytes / size * 2 * (size - 1) +
+                                       c.gradient_bytes % size * 2 * (size - 1) / size
+                                 : 0;
+  char line[512];
+  snprintf(line, sizeof line,
+           "lgreco shim: rank %d/%d: %llu allreduce calls, %llu compressed, %llu passed through; compressed calls: "
+           "%llu gradient bytes, %llu bytes sent by this rank (plain ring allreduce: %llu)",
+           rank, size, static_cast<unsigned long long>(c.calls), static_cast<unsigned long long>(c.compressed),
+           static_cast<unsigned long long>(c.passed_through), static_cast<unsigned long long>(c.gradient_bytes),
+           static_cast<unsigned long long>(c.bytes_sent), static_cast<unsigned long long>(ring));
+  return line;
+}
+
+Shim::Shim(const NcclApi& api, std::unique_ptr<DeviceRuntime> runtime, Options options)
+    : api_(api), runtime_(std::move(runtime)), options_(std::move(options)), id_(g_next_shim_id++) {
+  const config::Params& p = options_.params;
+  const int v = options_.nccl_version;
+  if (v < kOldestSupportedNccl || v >= kFirstUnsupportedNccl)
+    disabled_ = "NCCL " + std::to_string(v) + " is not a version lgreco supports (2.12 to 2.x)";
+  else if (p.effective_mode() == config::Mode::kOff)
+    disabled_ = p.valid() ? "LGRECO_MODE=off" : "invalid LGRECO_* parameters: " + p.errors.front();
+  if (!disabled_.empty()) {
+    if (p.valid() && p.effective_mode() == config::Mode::kOff)
+      LGRECO_INFO("SHIM", "every allreduce goes to NCCL untouched: %s", disabled_.c_str());
+    else
+      LGRECO_WARN("SHIM", "every allreduce goes to NCCL untouched: %s", disabled_.c_str());
+    return;
+  }
+  // What every rank must share: the engine's settings, the registration's bytes and
+  // lgreco's version (paths, logging and timeouts may differ).
+  config_text_ = std::string("lgreco ") + version_string() + "; " +
+                 EngineOptions::from_params(p, 0).parameters_text + "; max_memory=" + std::to_string(p.max_memory);
+  if (!p.registration.empty()) {
+    const config::TextFile file = config::read_text_file(p.registration, 64u << 20);
+    config_text_ += "; registration digest " + std::to_string(collective::digest(file.text));
+    try {
+      registration_ = std::make_shared<const config::Registration>(config::load_registration(p.registration));
+    } catch (const std::exception& e) {
+      registration_problem_ = e.what();
+      LGRECO_WARN("SHIM", "cannot use the registration: %s; every rank will pass allreduce calls through",
+                  e.what());
+    }
+  }
+}
+
+Shim::~Shim() = default;
+
+Shim::GroupState& Shim::group() {
+  thread_local GroupState g;
+  if (g.owner != id_) {
+    g = GroupState{};
+    g.owner = id_;
+  }
+  return g;
+}
+
+// ---------------------------------------------------------------------------------------
+// Communicators
+
+Shim::CommState* Shim::state_of(nccl::Comm comm) {
+  struct Cache {
+    uint64_t shim = 0, generation = 0;
+    nccl::Comm comm = nullptr;
+    CommState* state = nullptr;
+  };
+  thread_local Cache cache;
+  const uint64_t generation = generation_.load(std::memory_order_acquire);
+  if (cache.shim == id_ && cache.comm == comm && cache.generation == generation) return cache.state;
+  if (!comm) return nullptr;
+
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = comms_.find(comm);
+  if (it == comms_.end()) {
+    auto s = std::make_unique<CommState>();
+    s->comm = comm;
+    if (api_.comm_user_rank(comm, &s->rank) != nccl::kSuccess || api_.comm_count(comm, &s->size) != nccl::kSuccess ||
+        api_.comm_cu_device(comm, &s->device) != nccl::kSuccess)
+      return nullptr;  // NCCL rejects the communicator; its own call will say why
+    const config::Params& p = options_.params;
+    s->matcher = std::make_unique<config::BucketMatcher>(
+        registration_, config::MatcherSettings{p.auto_mode, p.min_bytes, p.segment_bytes});
+    if (comms_.empty()) log::set_rank(s->rank);
+    LGRECO_INFO("SHIM", "communicator %p: rank %d of %d on CUDA device %d", static_cast<void*>(comm), s->rank,
+                s->size, s->device);
+    it = comms_.emplace(comm, std::move(s)).first;
+  }
+  cache = Cache{id_, generation, comm, it->second.get()};
+  return cache.state;
+}
+
+std::unique_ptr<Shim::CommState> Shim::release_state(nccl::Comm comm) {
+  std::unique_ptr<CommState> s;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = comms_.find(comm);
+    if (it == comms_.end()) return nullptr;
+    s = std::move(it->second);
+    comms_.erase(it);
+    generation_.fetch_add(1, std::memory_order_acq_rel);
+  }
+  retire(*s, "destroyed");
+  return s;
+}
+
+void Shim::retire(CommState& s, const char* why) {
+  LGRECO_INFO("SHIM", "%s (communicator %p %s)", summary_line(s.rank, s.size, s.counters).c_str(),
+              static_cast<void*>(s.comm), why);
+  if (!s.counters.pass_reasons.empty() && log::enabled(log::Level::kInfo)) {
+    std::string reasons;
+    for (const auto& [reason, n] : s.counters.pass_reasons)
+      reasons += (reasons.empty() ? "" : "; ") + reason + " (" + std::to_string(n) + ")";
+    LGRECO_INFO("SHIM", "lgreco shim: rank %d/%d passed calls through because: %s", s.rank, s.size, reasons.c_str());
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  CommCounters& r = retired_;
+  const CommCounters& c = s.counters;
+  r.calls += c.calls;
+  r.compressed += c.compressed;
+  r.passed_through += c.passed_through;
+  r.errors += c.errors;
+  r.gradient_bytes += c.gradient_bytes;
+  r.bytes_sent += c.bytes_sent;
+  for (const auto& [reason, n] : c.pass_reasons) r.pass_reasons[reason] += n;
+}
+
+nccl::Result Shim::comm_destroy(nccl::Comm comm) {
+  release_state(comm);  // frees lgreco's buffers while the communicator still exists
+  return api_.comm_destroy(comm);
+}
+
+nccl::Result Shim::comm_finalize(nccl::Comm comm) {
+  release_state(comm);
+  return api_.comm_finalize ? api_.comm_finalize(comm) : nccl::kInvalidUsage;
+}
+
+nccl::Result Shim::comm_abort(nccl::Comm comm) {
+  // NCCL first: it stops kernels that may wait on a dead peer, which freeing lgreco's
+  // device memory would otherwise wait for.
+  const nccl::Result r = api_.comm_abort(comm);
+  release_state(comm);
+  return r;
+}
+
+const char* Shim::last_error(nccl::Comm comm) {
+  if (comm) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = comms_.find(comm);
+    if (it != comms_.end() && !it->second->last_error.empty()) return it->second->last_error.c_str();
+  }
+  return api_.get_last_error ? api_.get_last_error(comm) : "";
+}
+
+std::optional<CommCounters> Shim::counters(nccl::Comm comm) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = comms_.find(comm);
+  if (it == comms_.end()) return std::nullopt;
+  return it->second->counters;
+}
+
+CommCounters Shim::total_counters() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  CommCounters t = retired_;
+  for (const auto& [comm, s] : comms_) {
+    const CommCounters& c = s->counters;
+    t.calls += c.calls;
+    t.compressed += c.compressed;
+    t.passed_through += c.passed_through;
+    t.errors += c.errors;
+    t.gradient_bytes += c.gradient_bytes;
+    t.bytes_sent += c.bytes_sent;
+    for (const auto& [reason, n] : c.pass_reasons) t.pass_reasons[reason] += n;
+  }
+  return t;
+}
+
+void Shim::log_summaries() const {
+  if (!log::enabled(log::Level::kInfo)) return;
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (const auto& [comm, s] : comms_)
+    LGRECO_INFO("SHIM", "%s (communicator %p at exit)", summary_line(s->rank, s->size, s->counters).c_str(),
+                static_cast<void*>(comm));
+}
+
+// ---------------------------------------------------------------------------------------
+// Groups
+
+nccl::Result Shim::group_start() {
+  GroupState& g = group();
+  const nccl::Result r = api_.group_start();
+  if (r == nccl::kSuccess) ++g.depth;
+  return r;
+}
+
+void Shim::note_other_operation() {
+  GroupState& g = group();
+  if (g.depth == 0 || g.mixed) return;
+  g.mixed = true;
+  if (g.deferred) {
+    const Call deferred = *g.deferred;
+    g.deferred.reset();
+    // In the group, before the new operation: the user's order.
+    if (CommState* s = state_of(deferred.comm)) ++s->counters.calls, void(pass(s, deferred, kInGroup));
+    else forward(deferred);
+  }
+}
+
+nccl::Result Shim::group_end() {
+  GroupState& g = group();
+  const nccl::Result r = api_.group_end();
+  if (g.depth == 0) return r;  // unbalanced: NCCL says so
+  if (--g.depth > 0) return r;
+  std::optional<Call> deferred = std::move(g.deferred);
+  g.deferred.reset();
+  g.mixed = false;
+  if (!deferred) return r;
+  // The user's group held this allreduce alone: its ncclGroupEnd closed an empty group,
+  // and the call runs now, as it would have at the end of the group.
+  if (r != nccl::kSuccess && r != nccl::kInProgress) return r;
+  return dispatch(*deferred);
+}
+
+nccl::Result Shim::group_simulate_end(void* sim_info) {
+  if (!api_.group_simulate_end) return nccl::kInvalidUsage;
+  note_other_operation();  // a deferred allreduce joins the simulated group
+  GroupState& g = group();
+  const nccl::Result r = api_.group_simulate_end(sim_info);
+  if (g.depth > 0 && --g.depth == 0) g.mixed = false;
+  return r;
+}
+
+// ---------------------------------------------------------------------------------------
+// Allreduce
+
+nccl::Result Shim::forward(const Call& c) {
+  return api_.all_reduce(c.send, c.recv, c.count, c.dtype, c.op, c.comm, c.stream);
+}
+
+nccl::Result Shim::pass(CommState* s, const Call& call, const char* reason) {
+  if (s) {
+    ++s->counters.passed_through;
+    auto& reasons = s->counters.pass_reasons;
+    auto it = reasons.find(std::string_view(reason));
+    if (it == reasons.end()) {
+      LGRECO_INFO("SHIM", "rank %d/%d: an allreduce of %zu elements passes through: %s (logged once per reason)",
+                  s->rank, s->size, call.count, reason);
+      it = reasons.emplace(reason, 0).first;
+    }
+    ++it->second;
+  }
+  return forward(call);
+}
+
+const char* Shim::static_reason(const Call& c) const {
+  if (c.op != nccl::kSum && c.op != nccl::kAvg) return kOp;
+  DType dtype = DType::kFloat32;
+  if (!compressible_dtype(c.dtype, &dtype)) return kType;
+  if (c.count * dtype_size(dtype) < options_.params.min_bytes) return kSmall;
+  if (!c.send || !c.recv) return kNoBuffer;
+  return "";
+}
+
+nccl::Result Shim::all_reduce(const void* send, void* recv, size_t count, nccl::DataType dtype, nccl::RedOp op,
+                              nccl::Comm comm, nccl::Stream stream) {
+  const Call call{send, recv, count, dtype, op, comm, stream};
+  if (!disabled_.empty()) return forward(call);
+  GroupState& g = group();
+  if (g.depth > 0) {
+    // The first operation of a group waits for the group's end; whether it may be
+    // compressed is decided there, where every rank decides alike (shim.h).
+    if (!g.mixed && !g.deferred) {
+      g.deferred = call;
+      return nccl::kSuccess;
+    }
+    note_other_operation();
+    CommState* s = state_of(comm);
+    if (s) ++s->counters.calls;
+    return pass(s, call, kInGroup);
+  }
+  return dispatch(call);
+}
+
+nccl::Result Shim::dispatch(const Call& call) {
+  try {
+    CommState* s = state_of(call.comm);
+    if (!s) return forward(call);
+    ++s->counters.calls;
+    // After the agreement the ranks share every setting, so the cheap static checks come
+    // first; before it, only what the application does alike on every rank may decide.
+    const bool agreed = s->agreement != CommState::Agreement::kPending;
+    const char* reason = agreed ? static_reason(call) : "";
+    if (*reason) return pass(s, call, reason);
+    if (s->agreement == CommState::Agreement::kPassThrough) return pass(s, call, s->pass_reason.c_str());
+
+    std::string capture_error;
+    if (runtime_->capturing(call.stream, &capture_error)) {
+      if (!capture_error.empty())
+        LGRECO_WARN_ONCE("SHIM", "capture query", "cannot tell whether a stream is being captured (%s); such calls "
+                         "pass through", capture_error.c_str());
+      return pass(s, call, kCapturing);
+    }
+    nccl::Result async = nccl::kSuccess;
+    if (api_.comm_get_async_error(call.comm, &async) != nccl::kSuccess) async = nccl::kInternalError;
+    if (async == nccl::kInProgress) return pass(s, call, kInProgress);
+    if (async != nccl::kSuccess) return pass(s, call, kCommError);
+
+    if (s->agreement == CommState::Agreement::kPending) {
+      agree(*s, call);
+      if (!s->last_error.empty() && s->agreement == CommState::Agreement::kPassThrough) {
+        ++s->counters.errors;
+        return nccl::kInternalError;
+      }
+      if (s->agreement == CommState::Agreement::kPassThrough) return pass(s, call, s->pass_reason.c_str());
+      if (*(reason = static_reason(call))) return pass(s, call, reason);
+    }
+
+    DType dtype = DType::kFloat32;
+    compressible_dtype(call.dtype, &dtype);
+    const config::Match m = s->matcher->match({reinterpret_cast<uintptr_t>(call.recv), call.count, dtype});
+    if (m.kind == config::Match::Kind::kPassThrough) return pass(s, call, m.reason);
+    if (!ensure_engine(*s, m)) return pass(s, call, s->pass_reason.c_str());
+    const int bucket = m.bucket < s->engine_bucket.size() ? s->engine_bucket[m.bucket] : -1;
+    if (bucket < 0) return pass(s, call, "no layout for this buffer");
+
+    s->backend->set_stream(call.stream);
+    s->fabric->set_stream(call.stream);
+    EngineCall ec;
+    ec.bucket = static_cast<uint32_t>(bucket);
+    ec.step = m.step;
+    ec.send = call.send;
+    ec.recv = call.recv;
+    ec.count = call.count;
+    ec.dtype = dtype;
+    ec.op = call.op == nccl::kAvg ? collective::ReduceOp::kAvg : collective::ReduceOp::kSum;
+    ec.new_address = m.new_address;
+    const uint64_t sent_before = s->engine->counters().wire_bytes_sent;
+    const CallOutcome outcome = s->engine->allreduce(ec);
+    switch (outcome.kind) {
+      case CallOutcome::Kind::kDone:
+        ++s->counters.compressed;
+        s->counters.gradient_bytes += call.count * dtype_size(dtype);
+        s->counters.bytes_sent += s->engine->counters().wire_bytes_sent - sent_before;
+        if (!s->memory_reported) {
+          s->memory_reported = true;
+          LGRECO_INFO("SHIM", "rank %d/%d: compressing; lgreco holds %.1f MiB of device memory (error-feedback "
+                      "residuals, staging, statistics) and %.1f KiB of pinned host memory on this communicator "
+                      "(LGRECO_MAX_MEMORY=%llu, 0: no cap)",
+                      s->rank, s->size, s->backend->device_bytes() / 1048576.0, s->backend->host_bytes() / 1024.0,
+                      static_cast<unsigned long long>(options_.params.max_memory));
+        }
+        return nccl::kSuccess;
+      case CallOutcome::Kind::kPassThrough:
+        return pass(s, call, "the engine passes this communicator through (its WARN says why)");
+      case CallOutcome::Kind::kError:
+        ++s->counters.errors;
+        s->last_error = outcome.message;
+        return nccl::kInternalError;
+    }
+    return nccl::kInternalError;
+  } catch (const std::exception& e) {
+    // Nothing above throws by design; if something does, this call may have queued work
+    // to peers, so it cannot quietly pass through.
+    LGRECO_WARN("SHIM", "unexpected error in lgreco's allreduce: %s", e.what());
+    if (CommState* s = state_of(call.comm)) {
+      s->last_error = std::string("lgreco: ") + e.what();
+      s->agreement = CommState::Agreement::kPassThrough;
+      s->pass_reason = "an earlier unexpected error";
+    }
+    return nccl::kInternalError;
+  }
+}
+
+// All ranks of the communicator exchange a digest of their configuration and whether
+// they can compress; any difference makes every rank pass through (shim.h).
+void Shim::agree(CommState& s, const Call& call) {
+  auto give_up = [&](std::string reason, bool warn) {
+    s.agreement = CommState::Agreement::kPassThrough;
+    s.pass_reason = std::move(reason);
+    if (warn)
+      LGRECO_WARN("SHIM", "rank %d/%d: every allreduce of communicator %p passes through: %s", s.rank, s.size,
+                  static_cast<void*>(s.comm), s.pass_reason.c_str());
+  };
+  if (s.size <= 1) return give_up("one rank: nothing to exchange", false);
+
+  std::string problem = registration_problem_;
+  try {
+    s.backend = runtime_->create_backend(s.device, options_.params.max_memory);
+  } catch (const std::exception& e) {
+    // Without device memory this rank cannot even take part in the exchange; its peers
+    // will wait for it in vain (their NCCL timeout reports it).
+    return give_up(std::string("cannot use CUDA device ") + std::to_string(s.device) + ": " + e.what(), true);
+  }
+  const std::chrono::milliseconds timeout(options_.params.timeout_seconds * 1000);
+  s.fabric = std::make_unique<NcclFabric>(api_, s.comm, s.rank, s.size, timeout);
+  s.backend->set_stream(call.stream);
+  s.fabric->set_stream(call.stream);
+
+  const AgreementRecord mine{collective::digest(config_text_), problem.empty() ? 1u : 0u,
+                             static_cast<uint32_t>(s.rank)};
+  std::vector<AgreementRecord> all(s.size);
+  try {
+    auto buffer = s.backend->allocate(sizeof(AgreementRecord) * (s.size + 1));
+    auto* device = static_cast<uint8_t*>(buffer->data());
+    s.backend->upload(device, &mine, sizeof mine);
+    const std::vector<uint64_t> bytes(s.size, sizeof(AgreementRecord));
+    s.fabric->all_gather_v(device, bytes, device + sizeof(AgreementRecord));
+    auto ready = s.backend->read_back(all.data(), device + sizeof(AgreementRecord), sizeof(AgreementRecord) * s.size);
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    while (!ready->ready()) {
+      if (std::chrono::steady_clock::now() > deadline)
+        throw collective::FabricError("the ranks did not all join lgreco's configuration exchange within "
+                                      "LGRECO_TIMEOUT (is LD_PRELOAD, or LGRECO_MODE=off, set on only some ranks?)");
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+  } catch (const std::bad_alloc&) {
+    return give_up("cannot allocate the configuration exchange's buffer (LGRECO_MAX_MEMORY?)", true);
+  } catch (const std::exception& e) {
+    s.last_error = std::string("lgreco: configuration exchange failed: ") + e.what();
+    LGRECO_WARN("SHIM", "rank %d/%d: %s", s.rank, s.size, s.last_error.c_str());
+    return give_up("the configuration exchange failed", false);
+  }
+  std::string differ, unable;
+  for (int r = 0; r < s.size; ++r) {
+    if (all[r].config_digest != all[0].config_digest) differ += (differ.empty() ? "" : ", ") + std::to_string(r);
+    if (!all[r].ok) unable += (unable.empty() ? "" : ", ") + std::to_string(r);
+  }
+  if (!differ.empty())
+    return give_up("the LGRECO_* parameters, registration or lgreco version of rank(s) " + differ +
+                       " differ from rank 0's",
+                   true);
+  if (!unable.empty())
+    return give_up("rank(s) " + unable + " cannot compress" + (problem.empty() ? "" : " (here: " + problem + ")"),
+                   true);
+  s.agreement = CommState::Agreement::kAgreed;
+  LGRECO_INFO("SHIM", "rank %d/%d: the ranks of communicator %p agree on lgreco's configuration", s.rank, s.size,
+              static_cast<void*>(s.comm));
+}
+
+// The engine of the matcher's current pattern: one for the registration's buckets, or
+// (auto mode) one per learned pattern. A layout the engine rejects still gets an engine,
+// marked invalid, so that this rank joins the engine's own agreement and every rank
+// passes through together.
+bool Shim::ensure_engine(CommState& s, const config::Match& match) {
+  const bool registered = match.kind == config::Match::Kind::kRegistered;
+  if (s.engine && (registered || s.engine_generation == s.matcher->pattern_generation())) return true;
+  EngineOptions options = EngineOptions::from_params(options_.params, s.rank);
+  std::vector<collective::BucketLayout> buckets;
+  s.engine_bucket.clear();
+  if (registered) {
+    for (const config::RegisteredBucket& b : registration_->buckets) {
+      s.engine_bucket.push_back(static_cast<int>(buckets.size()));
+      buckets.push_back(collective::layout_from_registration(b, options));
+    }
+  } else {
+    for (const config::RegisteredBucket* layout : s.matcher->auto_pattern_layouts()) {
+      s.engine_bucket.push_back(layout ? static_cast<int>(buckets.size()) : -1);
+      if (layout) buckets.push_back(collective::layout_from_registration(*layout, options));
+    }
+  }
+  if (s.engine) {
+    s.engine.reset();  // a new pattern: its buffers and residuals start afresh
+    LGRECO_INFO("SHIM", "rank %d/%d: a new call pattern of %zu buffers; the engine starts again", s.rank, s.size,
+                buckets.size());
+  }
+  s.engine_generation = s.matcher->pattern_generation();
+  s.memory_reported = false;
+  try {
+    s.engine = std::make_unique<Engine>(options, std::move(buckets), *s.fabric, *s.backend);
+  } catch (const std::exception& e) {
+    options.valid = false;
+    options.invalid_reason = std::string("the buckets' layouts: ") + e.what();
+    s.engine = std::make_unique<Engine>(options, std::vector<collective::BucketLayout>{}, *s.fabric, *s.backend);
+  }
+  return true;
+}
+
+}  // namespace lgreco::shim

@@ -1,0 +1,479 @@
+// The collective shim (plugin/shim/shim.h) end to end without a GPU: ranks are threads,
+// each with its own Shim as each process would have, over a test double of NCCL
+// (fake_nccl.h) and a host-memory runtime with the CPU backend. The engine and the NCCL
+// fabric are the production ones.
+#include "plugin/shim/shim.h"
+
+#include <boost/test/unit_test.hpp>
+#include <cmath>
+#include <functional>
+#include <random>
+#include <set>
+#include <thread>
+
+#include "config/log.h"
+#include "plugin/collective/cpu_backend.h"
+#include "tests/unit/fake_nccl.h"
+#include "tests/unit/test_util.h"
+
+namespace lgreco {
+namespace {
+
+using nccl::Result;
+using shim::Shim;
+using test::contains;
+using test::FakeNccl;
+
+// The CPU backend behind the StreamBackend face, counting what it holds against a cap.
+class HostBackend final : public shim::StreamBackend {
+ public:
+  explicit HostBackend(uint64_t cap) : cap_(cap) {}
+  std::string name() const override { return "host"; }
+  void set_stream(nccl::Stream stream) override { stream_ = stream; }
+  uint64_t device_bytes() const override { return device_; }
+  uint64_t host_bytes() const override { return host_; }
+
+  std::unique_ptr<Buffer> allocate(uint64_t bytes) override { return counted(bytes, device_); }
+  std::unique_ptr<Buffer> allocate_host(uint64_t bytes) override { return counted(bytes, host_); }
+  void fill_zero(void* d, uint64_t n) override { cpu_.fill_zero(d, n); }
+  void copy(void* d, const void* s, uint64_t n) override { cpu_.copy(d, s, n); }
+  void upload(void* d, const void* s, uint64_t n) override { cpu_.upload(d, s, n); }
+  std::unique_ptr<collective::Event> read_back(void* d, const void* s, uint64_t n) override {
+    return cpu_.read_back(d, s, n);
+  }
+  void find_nonfinite(const collective::Plan& p, std::span<const collective::Segment> s, collective::ElementSpan in,
+                      uint8_t* flags) override {
+    cpu_.find_nonfinite(p, s, in, flags);
+  }
+  void encode(const collective::Plan& p, std::span<const collective::Segment> s, collective::ElementSpan in,
+              float* residual, uint64_t residual_first, const uint8_t* flags, const collective::NoiseBase& noise,
+              uint8_t* out, uint64_t base) override {
+    cpu_.encode(p, s, in, residual, residual_first, flags, noise, out, base);
+  }
+  void decode(const collective::Plan& p, std::span<const collective::Segment> s, const uint8_t* in, uint64_t base,
+              collective::ElementSpan out) override {
+    cpu_.decode(p, s, in, base, out);
+  }
+  void decode_accumulate(const collective::Plan& p, std::span<const collective::Segment> s, const uint8_t* in,
+                         uint64_t base, collective::ElementSpan acc) override {
+    cpu_.decode_accumulate(p, s, in, base, acc);
+  }
+  void accumulate_exact(const collective::Plan& p, std::span<const collective::Segment> s, collective::ElementSpan in,
+                        float* residual, uint64_t residual_first, const uint8_t* flags,
+                        collective::ElementSpan acc) override {
+    cpu_.accumulate_exact(p, s, in, residual, residual_first, flags, acc);
+  }
+  void divide(float* acc, uint64_t n, float divisor) override { cpu_.divide(acc, n, divisor); }
+  void narrow(const float* acc, uint64_t n, collective::ElementSpan out) override { cpu_.narrow(acc, n, out); }
+  void measure(const collective::Plan& p, std::span<const collective::Segment> s, collective::ElementSpan in,
+               const float* residual, uint64_t residual_first, const Measure& m) override {
+    cpu_.measure(p, s, in, residual, residual_first, m);
+  }
+  uint64_t mark() override { return cpu_.mark(); }
+  bool mark_ready(uint64_t m) override { return cpu_.mark_ready(m); }
+  void wait_mark(uint64_t m) override { cpu_.wait_mark(m); }
+  double seconds_between(uint64_t a, uint64_t b) override { return cpu_.seconds_between(a, b); }
+  void release_mark(uint64_t m) override { cpu_.release_mark(m); }
+
+  nccl::Stream stream_ = nullptr;
+
+ private:
+  std::unique_ptr<Buffer> counted(uint64_t bytes, uint64_t& held) {
+    if (cap_ && device_ + host_ + bytes > cap_) throw std::bad_alloc();
+    held += bytes;
+    return cpu_.allocate(bytes);
+  }
+  collective::CpuBackend cpu_;
+  uint64_t cap_;
+  uint64_t device_ = 0, host_ = 0;
+};
+
+class HostRuntime final : public shim::DeviceRuntime {
+ public:
+  std::string name() const override { return "host"; }
+  bool capturing(nccl::Stream stream, std::string*) override { return capturing_->count(stream) > 0; }
+  std::unique_ptr<shim::StreamBackend> create_backend(int, uint64_t cap) override {
+    if (*fail_) throw std::runtime_error("no device here");
+    return std::make_unique<HostBackend>(cap);
+  }
+  std::shared_ptr<std::set<nccl::Stream>> capturing_ = std::make_shared<std::set<nccl::Stream>>();
+  std::shared_ptr<bool> fail_ = std::make_shared<bool>(false);
+};
+
+config::Params params_of(std::vector<std::pair<std::string, std::string>> env) {
+  config::ParamSources sources;
+  sources.read_file = [](const std::string&, bool* missing, std::string*) -> std::optional<std::string> {
+    *missing = true;
+    return std::nullopt;
+  };
+  sources.environment = std::move(env);
+  return config::load_params(sources);
+}
+
+// Small buckets so that a test runs in milliseconds: compressed from 4 KiB, auto segments
+// of 16 KiB, 8-bit quantization (tight error bound), a short schedule.
+std::vector<std::pair<std::string, std::string>> base_env() {
+  return {{"LGRECO_MODE", "uniform"},       {"LGRECO_CODEC", "quant:bits=8"}, {"LGRECO_MIN_BYTES", "4096"},
+          {"LGRECO_SEGMENT_BYTES", "16384"}, {"LGRECO_TIMEOUT", "20"}};
+}
+
+nccl::Stream stream_of(int rank) { return reinterpret_cast<nccl::Stream>(uintptr_t{0x1000} + 16 * rank); }
+
+struct Job {
+  FakeNccl fake;
+  std::vector<std::unique_ptr<Shim>> shims;
+  std::vector<HostRuntime*> runtimes;
+  explicit Job(int ranks, const std::function<config::Params(int)>& params_for =
+                              [](int) { return params_of(base_env()); },
+               std::chrono::milliseconds timeout = std::chrono::seconds(20))
+      : fake(ranks, timeout) {
+    for (int r = 0; r < ranks; ++r) {
+      auto runtime = std::make_unique<HostRuntime>();
+      runtimes.push_back(runtime.get());
+      shims.push_back(std::make_unique<Shim>(FakeNccl::api(), std::move(runtime),
+                                             Shim::Options{params_for(r), fake.version.load()}));
+    }
+  }
+  // Runs fn(rank) on one thread per rank.
+  void run(const std::function<void(int)>& fn) {
+    std::vector<std::thread> threads;
+    for (int r = 0; r < fake.ranks(); ++r) threads.emplace_back(fn, r);
+    for (auto& t : threads) t.join();
+  }
+};
+
+// Rank r's gradient of buffer b at step s: fresh values, different per rank and step.
+std::vector<float> gradient(uint64_t seed, int rank, int buffer, int step, size_t count) {
+  std::mt19937_64 rng(seed ^ (uint64_t(rank) << 40) ^ (uint64_t(buffer) << 20) ^ uint64_t(step));
+  std::normal_distribution<float> normal(0.f, 1.f + buffer);
+  std::vector<float> v(count);
+  for (float& x : v) x = normal(rng);
+  return v;
+}
+
+double relative_error(const std::vector<float>& got, const std::vector<double>& want) {
+  double err = 0, norm = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    err += (got[i] - want[i]) * (got[i] - want[i]);
+    norm += want[i] * want[i];
+  }
+  return std::sqrt(err / norm);
+}
+
+// A training loop's allreduces: `buffers` recurring buffers per step, in place.
+struct Loop {
+  Loop(int ranks_, int steps_, std::vector<size_t> counts_) : ranks(ranks_), steps(steps_), counts(std::move(counts_)) {}
+  int ranks, steps;
+  std::vector<size_t> counts;
+  nccl::RedOp op = nccl::kSum;
+  bool in_groups = false;  // each call wrapped in its own ncclGroupStart/End
+  // outputs[step][buffer][rank]
+  std::vector<std::vector<std::vector<std::vector<float>>>> outputs;
+  std::vector<std::vector<std::vector<Result>>> results;  // [step][buffer][rank]
+
+  void run(Job& job, uint64_t seed) {
+    outputs.assign(steps, std::vector<std::vector<std::vector<float>>>(counts.size(),
+                                                                       std::vector<std::vector<float>>(ranks)));
+    results.assign(steps, std::vector<std::vector<Result>>(counts.size(), std::vector<Result>(ranks)));
+    job.run([&](int r) {
+      Shim& shim = *job.shims[r];
+      std::vector<std::vector<float>> buffers(counts.size());
+      for (size_t b = 0; b < counts.size(); ++b) buffers[b].resize(counts[b]);
+      for (int s = 0; s < steps; ++s)
+        for (size_t b = 0; b < counts.size(); ++b) {
+          const std::vector<float> g = gradient(seed, r, static_cast<int>(b), s, counts[b]);
+          std::copy(g.begin(), g.end(), buffers[b].begin());  // in place: the address stays
+          float* data = buffers[b].data();  // the same address every step, as DDP's buckets
+          if (in_groups) shim.group_start();
+          Result res = shim.all_reduce(data, data, counts[b], nccl::kFloat32, op, job.fake.comm(r), stream_of(r));
+          if (in_groups) {
+            const Result end = shim.group_end();
+            if (res == nccl::kSuccess) res = end;
+          }
+          results[s][b][r] = res;
+          outputs[s][b][r] = buffers[b];
+        }
+    });
+  }
+
+  std::vector<double> exact(uint64_t seed, int step, size_t b) const {
+    std::vector<double> sum(counts[b], 0.0);
+    for (int r = 0; r < ranks; ++r) {
+      const std::vector<float> g = gradient(seed, r, static_cast<int>(b), step, counts[b]);
+      for (size_t i = 0; i < g.size(); ++i) sum[i] += g[i];
+    }
+    if (op == nccl::kAvg)
+      for (double& x : sum) x /= ranks;
+    return sum;
+  }
+};
+
+// Checks every output: the same bits on every rank, each within `tolerance` (relative
+// L2) of the float64 reduction. Returns the largest relative error seen.
+double check_loop(const Loop& loop, uint64_t seed, double tolerance) {
+  double worst = 0;
+  for (int s = 0; s < loop.steps; ++s)
+    for (size_t b = 0; b < loop.counts.size(); ++b) {
+      BOOST_TEST_CONTEXT("step " << s << " buffer " << b) {
+        for (int r = 0; r < loop.ranks; ++r) BOOST_TEST(loop.results[s][b][r] == nccl::kSuccess);
+        for (int r = 1; r < loop.ranks; ++r)
+          BOOST_TEST((loop.outputs[s][b][r] == loop.outputs[s][b][0]), "rank " << r << " differs from rank 0");
+        const double e = relative_error(loop.outputs[s][b][0], loop.exact(seed, s, b));
+        worst = std::max(worst, e);
+        BOOST_TEST(e <= tolerance);
+      }
+    }
+  return worst;
+}
+
+std::string pass_reasons_text(const shim::CommCounters& c) {
+  std::string out = "passed through:";
+  for (const auto& [reason, n] : c.pass_reasons) out += " [" + reason + "] x" + std::to_string(n);
+  return out;
+}
+
+}  // namespace
+
+BOOST_AUTO_TEST_SUITE(shim)
+
+BOOST_AUTO_TEST_CASE(recurring_buffers_are_compressed_bit_identically_across_ranks) {
+  const uint64_t seed = test::run_seed();
+  BOOST_TEST_CONTEXT("seed " << seed) {
+    Job job(4);
+    // 50000 values encode to more than 32 KiB: scatter-reduce-allgather (sends and
+    // receives); the others are small enough for the all-gather algorithm.
+    Loop loop(4, 24, {6000, 50000, 1536});
+    loop.run(job, seed);
+    BOOST_TEST(job.fake.violation() == "");
+    // 8-bit stochastic quantization, quantized twice (sra): well under 2% relative error.
+    const double worst = check_loop(loop, seed, 0.02);
+    BOOST_TEST(worst > 0.0);  // something was compressed, hence not exact
+    for (int r = 0; r < 4; ++r) {
+      const shim::CommCounters c = *job.shims[r]->counters(job.fake.comm(r));
+      BOOST_TEST(c.calls == 24u * 3);
+      // The auto pattern is learned after 32 recurring calls; later steps compress.
+      BOOST_TEST(c.compressed >= 3u * 8, pass_reasons_text(c));
+      BOOST_TEST(c.compressed + c.passed_through == c.calls);
+      BOOST_TEST(c.bytes_sent > 0u);
+      BOOST_TEST(c.bytes_sent < c.gradient_bytes);  // 8 bits instead of 32
+      // Compressed calls never reached NCCL's allreduce: they were sends and receives.
+      BOOST_TEST(job.fake.counts(r).all_reduce == c.passed_through);
+      BOOST_TEST(job.fake.counts(r).send > 0u);
+    }
+    BOOST_TEST(contains(shim::summary_line(0, 4, *job.shims[0]->counters(job.fake.comm(0))),
+                        "lgreco shim: rank 0/4: 72 allreduce calls, "));
+  }
+}
+
+BOOST_AUTO_TEST_CASE(calls_nccl_would_reduce_differently_pass_through_untouched) {
+  Job job(2);
+  job.run([&](int r) {
+    Shim& shim = *job.shims[r];
+    const nccl::Comm comm = job.fake.comm(r);
+    // Max of floats, a sum of int32, a sum smaller than LGRECO_MIN_BYTES: NCCL's results.
+    std::vector<float> f(4096, 1.5f + r);
+    BOOST_TEST(shim.all_reduce(f.data(), f.data(), f.size(), nccl::kFloat32, nccl::kMax, comm, stream_of(r)) ==
+               nccl::kSuccess);
+    BOOST_TEST(f[17] == 2.5f);
+    std::vector<int32_t> i(4096, 3 + r);
+    BOOST_TEST(shim.all_reduce(i.data(), i.data(), i.size(), nccl::kInt32, nccl::kSum, comm, stream_of(r)) ==
+               nccl::kSuccess);
+    BOOST_TEST(i[4095] == 7);
+    std::vector<float> small(100, 0.25f);
+    BOOST_TEST(shim.all_reduce(small.data(), small.data(), small.size(), nccl::kFloat32, nccl::kSum, comm,
+                               stream_of(r)) == nccl::kSuccess);
+    BOOST_TEST(small[99] == 0.5f);
+  });
+  BOOST_TEST(job.fake.violation() == "");
+  for (int r = 0; r < 2; ++r) {
+    const shim::CommCounters c = *job.shims[r]->counters(job.fake.comm(r));
+    BOOST_TEST(c.calls == 3u);
+    BOOST_TEST(c.passed_through == 3u);
+    BOOST_TEST(c.pass_reasons.count("a reduction other than sum or avg") == 1u);
+    BOOST_TEST(c.pass_reasons.count("an element type other than float32, float16 or bfloat16") == 1u);
+    BOOST_TEST(c.pass_reasons.count("smaller than LGRECO_MIN_BYTES") == 1u);
+    BOOST_TEST(job.fake.counts(r).all_reduce == 3u);
+    // The configuration agreement ran once, at the first call: one all-gather.
+    BOOST_TEST(job.fake.counts(r).all_gather == 1u);
+  }
+}
+
+BOOST_AUTO_TEST_CASE(a_lone_allreduce_in_a_group_is_compressed_at_the_group_end) {
+  const uint64_t seed = test::run_seed();
+  BOOST_TEST_CONTEXT("seed " << seed) {
+    Job job(3);
+    Loop loop(3, 20, {5000, 9000});
+    loop.in_groups = true;
+    loop.op = nccl::kAvg;
+    loop.run(job, seed);
+    BOOST_TEST(job.fake.violation() == "");
+    check_loop(loop, seed, 0.02);
+    for (int r = 0; r < 3; ++r) BOOST_TEST(job.shims[r]->counters(job.fake.comm(r))->compressed > 0u);
+  }
+}
+
+BOOST_AUTO_TEST_CASE(a_group_with_other_operations_is_forwarded_in_the_users_order) {
+  Job job(2);
+  job.run([&](int r) {
+    Shim& shim = *job.shims[r];
+    const nccl::Comm comm = job.fake.comm(r);
+    std::vector<float> a(4096, 1.0f), b(4096, 0.0f), c(4096, 2.0f);
+    if (r == 0) std::fill(b.begin(), b.end(), 9.0f);
+    BOOST_TEST(shim.group_start() == nccl::kSuccess);
+    BOOST_TEST(shim.all_reduce(a.data(), a.data(), a.size(), nccl::kFloat32, nccl::kSum, comm, stream_of(r)) ==
+               nccl::kSuccess);
+    shim.note_other_operation();  // what the exported ncclBroadcast does before forwarding
+    FakeNccl::api().broadcast(b.data(), b.data(), b.size(), nccl::kFloat32, 0, comm, stream_of(r));
+    BOOST_TEST(shim.all_reduce(c.data(), c.data(), c.size(), nccl::kFloat32, nccl::kSum, comm, stream_of(r)) ==
+               nccl::kSuccess);
+    BOOST_TEST(shim.group_end() == nccl::kSuccess);
+    BOOST_TEST(a[100] == 2.0f);
+    BOOST_TEST(b[100] == 9.0f);
+    BOOST_TEST(c[100] == 4.0f);
+    const std::vector<std::string> order = job.fake.issued(r);
+    BOOST_TEST((order == std::vector<std::string>{"allreduce", "broadcast", "allreduce"}));
+  });
+  BOOST_TEST(job.fake.violation() == "");
+  BOOST_TEST(job.shims[0]->counters(job.fake.comm(0))->pass_reasons.at("inside a group with other operations") == 2u);
+}
+
+BOOST_AUTO_TEST_CASE(graph_capture_and_in_progress_communicators_pass_through) {
+  Job job(2);
+  for (auto* rt : job.runtimes) rt->capturing_->insert(stream_of(0)), rt->capturing_->insert(stream_of(1));
+  job.run([&](int r) {
+    std::vector<float> a(4096, 1.0f);
+    BOOST_TEST(job.shims[r]->all_reduce(a.data(), a.data(), a.size(), nccl::kFloat32, nccl::kSum, job.fake.comm(r),
+                                        stream_of(r)) == nccl::kSuccess);
+    BOOST_TEST(a[0] == 2.0f);
+  });
+  job.fake.set_async(0, nccl::kInProgress, 1);
+  job.fake.set_async(1, nccl::kInProgress, 1);
+  for (auto* rt : job.runtimes) rt->capturing_->clear();
+  job.run([&](int r) {
+    std::vector<float> a(4096, 1.0f);
+    job.shims[r]->all_reduce(a.data(), a.data(), a.size(), nccl::kFloat32, nccl::kSum, job.fake.comm(r),
+                             stream_of(r));
+    BOOST_TEST(a[0] == 2.0f);
+  });
+  for (int r = 0; r < 2; ++r) {
+    const auto c = *job.shims[r]->counters(job.fake.comm(r));
+    BOOST_TEST(c.pass_reasons.at("its stream is being captured into a CUDA graph") == 1u);
+    BOOST_TEST(c.pass_reasons.at("the communicator has a non-blocking operation in progress") == 1u);
+    BOOST_TEST(job.fake.counts(r).all_gather == 0u);  // no agreement ran during capture
+  }
+}
+
+BOOST_AUTO_TEST_CASE(unsupported_nccl_and_mode_off_forward_everything_without_state) {
+  for (const bool old_nccl : {true, false}) {
+    FakeNccl fake(1);
+    auto env = base_env();
+    if (!old_nccl) env.push_back({"LGRECO_MODE", "off"});
+    Shim shim(FakeNccl::api(), std::make_unique<HostRuntime>(),
+              Shim::Options{params_of(env), old_nccl ? 21104 : 22809});
+    BOOST_TEST(contains(shim.disabled_reason(), old_nccl ? "not a version lgreco supports" : "LGRECO_MODE=off"));
+    std::vector<float> a(8192, 3.0f);
+    BOOST_TEST(shim.all_reduce(a.data(), a.data(), a.size(), nccl::kFloat32, nccl::kSum, fake.comm(0), nullptr) ==
+               nccl::kSuccess);
+    BOOST_TEST(fake.counts(0).all_reduce == 1u);
+    BOOST_TEST(!shim.counters(fake.comm(0)).has_value());
+  }
+}
+
+BOOST_AUTO_TEST_CASE(ranks_whose_configurations_differ_all_pass_through_together) {
+  const uint64_t seed = test::run_seed();
+  Job job(3, [](int r) {
+    auto env = base_env();
+    if (r == 1) env.push_back({"LGRECO_CODEC", "quant:bits=3"});
+    return params_of(env);
+  });
+  Loop loop(3, 16, {6000, 7000});
+  loop.run(job, seed);
+  BOOST_TEST(job.fake.violation() == "");
+  for (int r = 0; r < 3; ++r) {
+    const auto c = *job.shims[r]->counters(job.fake.comm(r));
+    BOOST_TEST(c.compressed == 0u);
+    BOOST_TEST(c.pass_reasons.count("the LGRECO_* parameters, registration or lgreco version of rank(s) 1 differ from "
+                                    "rank 0's") == 1u);
+  }
+  check_loop(loop, seed, 1e-6);  // NCCL's own results (the fake sums in float64)
+}
+
+BOOST_AUTO_TEST_CASE(a_memory_cap_too_small_makes_every_rank_pass_through) {
+  const uint64_t seed = test::run_seed();
+  Job job(2, [](int) {
+    auto env = base_env();
+    env.push_back({"LGRECO_MAX_MEMORY", "1K"});
+    return params_of(env);
+  });
+  Loop loop(2, 30, {6000, 7000});
+  loop.run(job, seed);
+  BOOST_TEST(job.fake.violation() == "");
+  for (int r = 0; r < 2; ++r) {
+    const auto c = *job.shims[r]->counters(job.fake.comm(r));
+    BOOST_TEST(c.compressed == 0u);
+    BOOST_TEST(c.pass_reasons.count("the engine passes this communicator through (its WARN says why)") == 1u,
+               pass_reasons_text(c));
+  }
+  check_loop(loop, seed, 1e-6);
+}
+
+BOOST_AUTO_TEST_CASE(a_failed_exchange_returns_an_error_on_every_rank_never_hangs_or_corrupts) {
+  const uint64_t seed = test::run_seed();
+  Job job(3, [](int) { return params_of(base_env()); }, std::chrono::milliseconds(1500));
+  // Rank 1's sends fail once compression is under way (the agreement and the first
+  // compressed calls have used a few).
+  job.fake.fail_sends_from(1, 12);
+  Loop loop(3, 30, {6000, 50000});
+  loop.run(job, seed);
+  for (int r = 0; r < 3; ++r) {
+    const auto c = *job.shims[r]->counters(job.fake.comm(r));
+    BOOST_TEST_CONTEXT("rank " << r) {
+      BOOST_TEST(c.errors > 0u);
+      BOOST_TEST(contains(job.shims[r]->last_error(job.fake.comm(r)), "lgreco"));
+    }
+  }
+  // Every call either succeeded with the right values or returned an error.
+  for (int s = 0; s < loop.steps; ++s)
+    for (size_t b = 0; b < 2; ++b)
+      for (int r = 0; r < 3; ++r)
+        if (loop.results[s][b][r] == nccl::kSuccess)
+          BOOST_TEST(relative_error(loop.outputs[s][b][r], loop.exact(seed, s, b)) <= 0.02);
+}
+
+BOOST_AUTO_TEST_CASE(non_blocking_communicators_settle_before_the_next_operation) {
+  const uint64_t seed = test::run_seed();
+  Job job(2);
+  job.fake.non_blocking = true;
+  Loop loop(2, 45, {6000});
+  loop.run(job, seed);
+  BOOST_TEST(job.fake.violation() == "");
+  check_loop(loop, seed, 0.02);
+  BOOST_TEST(job.shims[0]->counters(job.fake.comm(0))->compressed > 0u,
+             pass_reasons_text(*job.shims[0]->counters(job.fake.comm(0))));
+}
+
+BOOST_AUTO_TEST_CASE(destroying_a_communicator_frees_its_state_and_keeps_its_totals) {
+  const uint64_t seed = test::run_seed();
+  Job job(2);
+  Loop loop(2, 45, {6000});
+  loop.run(job, seed);
+  const auto before = *job.shims[0]->counters(job.fake.comm(0));
+  job.run([&](int r) {
+    BOOST_TEST(job.shims[r]->comm_destroy(job.fake.comm(r)) == nccl::kSuccess);
+    BOOST_TEST(job.fake.counts(r).destroy == 1u);
+    BOOST_TEST(!job.shims[r]->counters(job.fake.comm(r)).has_value());
+  });
+  BOOST_TEST(job.shims[0]->total_counters().calls == before.calls);
+  BOOST_TEST(job.shims[0]->total_counters().compressed == before.compressed);
+  // The same handle may come back for a new communicator: it starts afresh.
+  job.run([&](int r) {
+    std::vector<float> a(4096, 1.0f);
+    job.shims[r]->all_reduce(a.data(), a.data(), a.size(), nccl::kFloat32, nccl::kSum, job.fake.comm(r),
+                             stream_of(r));
+    BOOST_TEST(job.shims[r]->counters(job.fake.comm(r))->calls == 1u);
+  });
+}
+
+BOOST_AUTO_TEST_SUITE_END()
+
+}  // namespace lgreco
