@@ -3,7 +3,7 @@
 #
 # Runs on the lent GPU machine (an H200 with torch 2.x, no network): builds there what a
 # section needs (never `make deps`), runs its checks and prints a short table last.
-# Each section finishes well under five minutes. Logs go to $OUT (default
+# Each section finishes well under five minutes, but shim (about 8). Logs go to $OUT (default
 # /tmp/lgreco-gpu) so that they come back with the device tool.
 #
 # Sections:
@@ -15,6 +15,24 @@
 #              pass of --check --quick (when compute-sanitizer is there and works), and
 #              --bench; the bench table is printed after the summary. About 3 minutes
 #              on an H200, most of it a cold build; every step is bounded (9 at most)
+#   shim       the collective shim on the GPU, 2 and 4 NCCL ranks sharing the one GPU
+#              (a distinct NCCL_HOSTID each, NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1
+#              NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo): builds build/lib/liblgreco.so,
+#              lgreco-bench and lgreco-config here, then
+#              1. lgreco-bench --fabric nccl, quant:bits=4 uniform, float32, 1 to 64 MiB:
+#                 #wrong 0 and outputs bit-identical across ranks (a failure otherwise),
+#                 and how many times faster than plain NCCL allreduce of the same buffers;
+#                 target: >= 3x at 64 MiB with 4 ranks (met or missed is reported, a miss
+#                 does not fail the section);
+#              2. tests/gpu/ddp_check.py: unmodified DDP (tests/gpu/ddp_train.py, an MLP
+#                 on scikit-learn's digits, 300 steps) plain, then under
+#                 LD_PRELOAD=build/lib/liblgreco.so uniform 4-bit and adaptive, with 2
+#                 ranks and, while time is left, 4: accuracy within 1.5 points and loss
+#                 within 20% of plain's, compressed calls in the shim's log, assignment
+#                 epochs in the adaptive run's decision log.
+#              Tables after the summary. About 8 minutes on an H200 with a cold build;
+#              bounded by LGRECO_GPU_SHIM_SECONDS (default 480). It does not run the
+#              backend section first: run `tests/gpu/run.sh backend shim` for both.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 2
 OUT=${OUT:-/tmp/lgreco-gpu}
@@ -211,13 +229,137 @@ section_codec() {
   fail_if "$r"
 }
 
+# The collective shim on the GPU: lgreco-bench --fabric nccl against plain NCCL, then
+# unmodified DDP under LD_PRELOAD (tests/gpu/ddp_check.py). One deadline for all steps
+# (LGRECO_GPU_SHIM_SECONDS, default 480 s). Expected on an H200: build 1-2 min cold, the
+# bench about 20 s per world size, DDP about 1 min for 2 ranks and 2 min for 4.
+shim_deadline=0
+# shim_time CAP: the timeout of the next step, CAP or what is left if less; 0 when under 20 s.
+shim_time() {
+  local left=$((shim_deadline - SECONDS))
+  (( left > $1 )) && left=$1
+  (( left < 20 )) && left=0
+  echo "$left"
+}
+
+# The libnccl torch loads (its own, in its venv), so that the bench and DDP run the same
+# NCCL; else the one the dynamic loader finds (the system's).
+torch_nccl() {
+  "$PY" - 2> /dev/null <<'NCCLPY' || echo libnccl.so.2
+import glob, os, sys
+import torch
+import torch.distributed
+for line in open("/proc/self/maps"):
+    if "libnccl" in line and line.split()[-1].startswith("/"):
+        print(line.split()[-1]); sys.exit(0)
+site = os.path.dirname(os.path.dirname(torch.__file__))
+found = sorted(glob.glob(os.path.join(site, "nvidia", "**", "libnccl.so*"), recursive=True))
+if not found: sys.exit(1)
+print(found[0])
+NCCLPY
+}
+
+# run_ranks NAME N SECONDS CMD...: N processes of CMD, one per rank, all on GPU 0 with
+# their own NCCL_HOSTID, meeting as torchrun's environment says; logs in
+# $OUT/NAME.rank<R>.log. Sets rank_codes to their exit codes (124: timed out).
+rank_codes=()
+run_ranks() {
+  local name=$1 n=$2 t=$3 r port pids=()
+  shift 3
+  port=$((20000 + RANDOM % 20000))
+  for ((r = 0; r < n; r++)); do
+    env RANK=$r WORLD_SIZE="$n" LOCAL_RANK=0 LOCAL_WORLD_SIZE="$n" MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+      NCCL_HOSTID="lgreco-$name-$r" NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo \
+      timeout -k 10 "$t" "$@" > "$OUT/$name.rank$r.log" 2>&1 &
+    pids+=($!)
+  done
+  rank_codes=()
+  for r in "${pids[@]}"; do wait "$r"; rank_codes+=($?); done
+}
+
+section_shim() {
+  local cuda rc detail r t nccl n log
+  shim_deadline=$((SECONDS + ${LGRECO_GPU_SHIM_SECONDS:-480}))
+  cuda=$(cuda_home)
+  if [[ ! -x "$cuda/bin/nvcc" ]]; then
+    row shim "build liblgreco.so, lgreco-bench" FAIL "no nvcc ($cuda/bin/nvcc, PATH): set CUDA_HOME"; failed=1; return
+  fi
+  t=$(shim_time 240)
+  NVCC_APPEND_FLAGS="${NVCC_APPEND_FLAGS:+$NVCC_APPEND_FLAGS }--threads 0" \
+    timeout "$t" make -j"$JOBS" build/lib/liblgreco.so build/bin/lgreco-bench build/bin/lgreco-config \
+    CUDA_HOME="$cuda" PYTHON="$PY" > "$OUT/shim-build.log" 2>&1
+  rc=$?
+  if [[ $rc -ne 0 || ! -x build/bin/lgreco-bench || ! -f build/lib/liblgreco.so ]]; then
+    detail=$(grep -m 1 -E 'error|No rule' "$OUT/shim-build.log" | cut -c1-100)
+    detail="exit $rc: ${detail:-$(last_line "$OUT/shim-build.log")}"
+    [[ $rc -eq 124 ]] && detail="timed out after $t s"
+    row shim "build liblgreco.so, lgreco-bench" FAIL "$detail (shim-build.log)"; failed=1; return
+  fi
+  row shim "build liblgreco.so, lgreco-bench" PASS "CUDA at $cuda"
+  nccl=$(torch_nccl)
+  row shim "NCCL for lgreco-bench" INFO "$nccl"
+
+  # 1. lgreco-bench --fabric nccl, 2 and 4 ranks on the one GPU.
+  local table at64 target_row=""
+  for n in 2 4; do
+    t=$(shim_time 90)
+    if [[ $t -eq 0 ]]; then row shim "bench $n ranks" FAIL "skipped: the section ran out of time"; failed=1; continue; fi
+    run_ranks "shim-bench-$n" "$n" "$t" build/bin/lgreco-bench --fabric nccl --nccl-lib "$nccl" \
+      --codec quant:bits=4 -d float -b 1M -e 64M -f 4 -n 10 -w 3 --timeout 60
+    log="$OUT/shim-bench-$n.rank0.log"
+    table="$OUT/shim-bench-$n-table.txt"
+    { echo "== lgreco-bench --fabric nccl, $n ranks on one GPU (rank 0) =="; grep -v 'LGRECO' "$log"; } > "$table"
+    appendix+=("$table")
+    # Rows: size count type codec time algbw busbw wire_B wire_GB/s rel_err #wrong nccl_us vs_nccl
+    detail=$(awk '!/^#/ && NF == 13 { rows++; if ($11 != "0") bad++; last = $1 " B: " $5 " us, NCCL " $12 " us: " $13 "x" }
+                  END { printf "%d rows, %d with #wrong > 0; largest %s", rows, bad, last }' "$log")
+    r=PASS
+    if [[ " ${rank_codes[*]} " =~ [^0\ ] ]]; then
+      r=FAIL
+      detail="exit codes ${rank_codes[*]} (124: timed out): $(grep -h -m 1 'error' "$OUT"/shim-bench-"$n".rank*.log | head -n 1 | cut -c1-120)"
+    elif ! grep -q '^# Out of bounds values : 0 OK' "$log" || ! awk '!/^#/ && NF == 13 { ok = 1 } END { exit !ok }' "$log"; then
+      r=FAIL
+    fi
+    row shim "bench $n ranks: #wrong 0, bit-identical" "$r" "$detail (shim-bench-$n.rank*.log)"
+    fail_if "$r"
+    if [[ $n -eq 4 ]]; then
+      at64=$(awk '!/^#/ && NF == 13 && $1 == 67108864 { print $13 }' "$log")
+      if [[ -z "$at64" ]]; then target_row="missed: no 64 MiB row"
+      elif awk -v s="$at64" 'BEGIN { exit !(s >= 3.0) }'; then target_row="met: ${at64}x plain NCCL"
+      else target_row="missed: ${at64}x plain NCCL"; fi
+    fi
+  done
+  [[ -n "$target_row" ]] && row shim "target: 4 ranks, 64 MiB, >= 3x NCCL" INFO "$target_row"
+
+  # 2. Unmodified DDP under LD_PRELOAD (its own per-run timeouts; this one is a backstop).
+  t=$(shim_time 600)
+  if [[ $t -eq 0 ]]; then row shim "DDP under LD_PRELOAD" FAIL "skipped: the section ran out of time"; failed=1; return; fi
+  timeout -k 10 "$t" "$PY" tests/gpu/ddp_check.py --python "$PY" --lib build/lib/liblgreco.so --out "$OUT" \
+    --ranks 2,4 --seconds $((t - 15)) --table "$OUT/shim-ddp-table.txt" > "$OUT/shim-ddp.log" 2>&1
+  rc=$?
+  local name verdict line
+  while IFS= read -r line; do
+    line=${line#RESULT: }
+    name=${line%% *}; line=${line#* }
+    verdict=${line%% *}; detail=${line#* }
+    [[ "$verdict" == SKIP ]] && verdict=INFO
+    row shim "DDP $name" "$verdict" "$(cut -c1-200 <<< "$detail")"
+    fail_if "$verdict"
+  done < <(grep -E '^RESULT: ' "$OUT/shim-ddp.log")
+  if [[ $rc -ne 0 ]] && ! grep -qE '^RESULT: [^ ]+ FAIL' "$OUT/shim-ddp.log"; then
+    row shim "DDP under LD_PRELOAD" FAIL "ddp_check.py exit $rc: $(last_line "$OUT/shim-ddp.log") (shim-ddp.log)"; failed=1
+  fi
+  [[ -s "$OUT/shim-ddp-table.txt" ]] && appendix+=("$OUT/shim-ddp-table.txt")
+}
+
 sections=("$@")
-[[ ${#sections[@]} -eq 0 ]] && sections=(register codec)
+[[ ${#sections[@]} -eq 0 ]] && sections=(register codec shim)
 for s in "${sections[@]}"; do
   case "$s" in
     register) section_register ;;
     codec) section_codec ;;
-    *) echo "tests/gpu/run.sh: unknown section '$s' (sections: register codec)" >&2; exit 2 ;;
+    shim) section_shim ;;
+    *) echo "tests/gpu/run.sh: unknown section '$s' (sections: register codec shim)" >&2; exit 2 ;;
   esac
 done
 
