@@ -42,6 +42,8 @@ static_assert(sizeof(AgreementRecord) == 16);
 // Reasons a call passes through (static text; counted per communicator).
 constexpr const char kInGroup[] = "inside a group with other operations";
 constexpr const char kCapturing[] = "its stream is being captured into a CUDA graph";
+constexpr const char kCaptureUnknown[] = "its stream's capture state cannot be queried";
+constexpr const char kOneRank[] = "a communicator of one rank: nothing to exchange";
 constexpr const char kInProgress[] = "the communicator has a non-blocking operation in progress";
 constexpr const char kCommError[] = "the communicator reports an error";
 constexpr const char kOp[] = "a reduction other than sum or avg";
@@ -368,12 +370,13 @@ nccl::Result Shim::dispatch(const Call& call) {
     if (*reason) return pass(s, call, reason);
     if (s->agreement == CommState::Agreement::kPassThrough) return pass(s, call, s->pass_reason.c_str());
 
+    if (s->size <= 1) return pass(s, call, kOneRank);
     std::string capture_error;
     if (runtime_->capturing(call.stream, &capture_error)) {
-      if (!capture_error.empty())
-        LGRECO_WARN_ONCE("SHIM", "capture query", "cannot tell whether a stream is being captured (%s); such calls "
-                         "pass through", capture_error.c_str());
-      return pass(s, call, kCapturing);
+      if (capture_error.empty()) return pass(s, call, kCapturing);
+      LGRECO_WARN_ONCE("SHIM", "capture query", "cannot tell whether a stream is being captured (%s); such calls "
+                       "pass through", capture_error.c_str());
+      return pass(s, call, kCaptureUnknown);
     }
     nccl::Result async = nccl::kSuccess;
     if (api_.comm_get_async_error(call.comm, &async) != nccl::kSuccess) async = nccl::kInternalError;

@@ -67,7 +67,13 @@ BOOST_AUTO_TEST_CASE(exports_only_its_public_entry_points) {
   std::istringstream lines(r.output);
   std::string address, type, name;
   while (lines >> address >> type >> name) names.insert(name);
-  BOOST_TEST((names == std::set<std::string>{"lgreco_version"}), r.output);
+  // lgreco_version, and the NCCL calls the shim interposes (plugin/shim/entry_points.cc).
+  const std::set<std::string> expected{"lgreco_version",   "ncclAllGather",     "ncclAllReduce",   "ncclAlltoAll",
+                                       "ncclBcast",        "ncclBroadcast",     "ncclCommAbort",   "ncclCommDestroy",
+                                       "ncclCommFinalize", "ncclGather",        "ncclGetLastError", "ncclGroupEnd",
+                                       "ncclGroupSimulateEnd", "ncclGroupStart", "ncclRecv",        "ncclReduce",
+                                       "ncclReduceScatter", "ncclScatter",      "ncclSend"};
+  BOOST_TEST((names == expected), r.output);
   // The NCCL plugin name is the same library.
   const auto plugin = std::filesystem::path(library_path()).parent_path() / "libnccl-net-lgreco.so";
   BOOST_TEST(std::filesystem::equivalent(plugin, library_path()));
@@ -76,6 +82,32 @@ BOOST_AUTO_TEST_CASE(exports_only_its_public_entry_points) {
   BOOST_TEST(!contains(deps.output, "libnccl"), deps.output);
   BOOST_TEST(!contains(deps.output, "libcudart"), deps.output);
   BOOST_TEST(!contains(deps.output, "libstdc++"), deps.output);
+}
+
+// A program linked against a libnccl calls NCCL through its PLT, as frameworks do; with
+// LD_PRELOAD the shim sees every call, reaches that libnccl's pncclXxx for the real work
+// and logs its summary. The stand-in libnccl has one rank, so every call passes through.
+BOOST_AUTO_TEST_CASE(preloaded_the_shim_intercepts_a_programs_nccl_calls_and_forwards_them) {
+  const std::string probe = test::env_or("LGRECO_TEST_INTERPOSE_PROBE", "build/bin/lgreco-interpose-probe");
+  const auto plain = test::run_command(probe);
+  BOOST_TEST_REQUIRE(plain.exit_code == 0, plain.output);
+  const std::string counts =
+      "fake nccl: allreduce=2 allgather=0 broadcast=1 send=0 recv=0 group_start=1 group_end=1 destroy=1";
+  BOOST_TEST(contains(plain.output, counts), plain.output);
+  BOOST_TEST(!contains(plain.output, "LGRECO"), plain.output);
+
+  const auto r = test::run_command("LGRECO_DEBUG=INFO LD_PRELOAD=" + library_path() + " " + probe);
+  BOOST_TEST(r.exit_code == 0, r.output);
+  BOOST_TEST(contains(r.output, "probe: results ok, recv[12345]=12345"), r.output);
+  BOOST_TEST(contains(r.output, counts), r.output);  // the real calls still happened, once each
+  BOOST_TEST(contains(r.output, "LGRECO INFO SHIM interposing NCCL 2.28.9 at "), r.output);
+  BOOST_TEST(contains(r.output, "lgreco shim: rank 0/1: 2 allreduce calls, 0 compressed, 2 passed through"), r.output);
+  BOOST_TEST(contains(r.output, "a communicator of one rank: nothing to exchange (2)"), r.output);
+  BOOST_TEST(!contains(r.output, "WARN"), r.output);
+
+  const auto off = test::run_command("LGRECO_MODE=off LGRECO_DEBUG=INFO LD_PRELOAD=" + library_path() + " " + probe);
+  BOOST_TEST(contains(off.output, counts), off.output);
+  BOOST_TEST(contains(off.output, "every allreduce goes to NCCL untouched: LGRECO_MODE=off"), off.output);
 }
 
 BOOST_AUTO_TEST_CASE(locator_finds_an_rtld_local_nccl, *boost::unit_test::precondition(NcclPresent())) {

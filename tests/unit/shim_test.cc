@@ -7,12 +7,13 @@
 #include <boost/test/unit_test.hpp>
 #include <cmath>
 #include <functional>
+#include <mutex>
 #include <random>
 #include <set>
 #include <thread>
 
 #include "config/log.h"
-#include "plugin/collective/cpu_backend.h"
+#include "plugin/shim/host_runtime.h"
 #include "tests/unit/fake_nccl.h"
 #include "tests/unit/test_util.h"
 
@@ -24,81 +25,7 @@ using shim::Shim;
 using test::contains;
 using test::FakeNccl;
 
-// The CPU backend behind the StreamBackend face, counting what it holds against a cap.
-class HostBackend final : public shim::StreamBackend {
- public:
-  explicit HostBackend(uint64_t cap) : cap_(cap) {}
-  std::string name() const override { return "host"; }
-  void set_stream(nccl::Stream stream) override { stream_ = stream; }
-  uint64_t device_bytes() const override { return device_; }
-  uint64_t host_bytes() const override { return host_; }
-
-  std::unique_ptr<Buffer> allocate(uint64_t bytes) override { return counted(bytes, device_); }
-  std::unique_ptr<Buffer> allocate_host(uint64_t bytes) override { return counted(bytes, host_); }
-  void fill_zero(void* d, uint64_t n) override { cpu_.fill_zero(d, n); }
-  void copy(void* d, const void* s, uint64_t n) override { cpu_.copy(d, s, n); }
-  void upload(void* d, const void* s, uint64_t n) override { cpu_.upload(d, s, n); }
-  std::unique_ptr<collective::Event> read_back(void* d, const void* s, uint64_t n) override {
-    return cpu_.read_back(d, s, n);
-  }
-  void find_nonfinite(const collective::Plan& p, std::span<const collective::Segment> s, collective::ElementSpan in,
-                      uint8_t* flags) override {
-    cpu_.find_nonfinite(p, s, in, flags);
-  }
-  void encode(const collective::Plan& p, std::span<const collective::Segment> s, collective::ElementSpan in,
-              float* residual, uint64_t residual_first, const uint8_t* flags, const collective::NoiseBase& noise,
-              uint8_t* out, uint64_t base) override {
-    cpu_.encode(p, s, in, residual, residual_first, flags, noise, out, base);
-  }
-  void decode(const collective::Plan& p, std::span<const collective::Segment> s, const uint8_t* in, uint64_t base,
-              collective::ElementSpan out) override {
-    cpu_.decode(p, s, in, base, out);
-  }
-  void decode_accumulate(const collective::Plan& p, std::span<const collective::Segment> s, const uint8_t* in,
-                         uint64_t base, collective::ElementSpan acc) override {
-    cpu_.decode_accumulate(p, s, in, base, acc);
-  }
-  void accumulate_exact(const collective::Plan& p, std::span<const collective::Segment> s, collective::ElementSpan in,
-                        float* residual, uint64_t residual_first, const uint8_t* flags,
-                        collective::ElementSpan acc) override {
-    cpu_.accumulate_exact(p, s, in, residual, residual_first, flags, acc);
-  }
-  void divide(float* acc, uint64_t n, float divisor) override { cpu_.divide(acc, n, divisor); }
-  void narrow(const float* acc, uint64_t n, collective::ElementSpan out) override { cpu_.narrow(acc, n, out); }
-  void measure(const collective::Plan& p, std::span<const collective::Segment> s, collective::ElementSpan in,
-               const float* residual, uint64_t residual_first, const Measure& m) override {
-    cpu_.measure(p, s, in, residual, residual_first, m);
-  }
-  uint64_t mark() override { return cpu_.mark(); }
-  bool mark_ready(uint64_t m) override { return cpu_.mark_ready(m); }
-  void wait_mark(uint64_t m) override { cpu_.wait_mark(m); }
-  double seconds_between(uint64_t a, uint64_t b) override { return cpu_.seconds_between(a, b); }
-  void release_mark(uint64_t m) override { cpu_.release_mark(m); }
-
-  nccl::Stream stream_ = nullptr;
-
- private:
-  std::unique_ptr<Buffer> counted(uint64_t bytes, uint64_t& held) {
-    if (cap_ && device_ + host_ + bytes > cap_) throw std::bad_alloc();
-    held += bytes;
-    return cpu_.allocate(bytes);
-  }
-  collective::CpuBackend cpu_;
-  uint64_t cap_;
-  uint64_t device_ = 0, host_ = 0;
-};
-
-class HostRuntime final : public shim::DeviceRuntime {
- public:
-  std::string name() const override { return "host"; }
-  bool capturing(nccl::Stream stream, std::string*) override { return capturing_->count(stream) > 0; }
-  std::unique_ptr<shim::StreamBackend> create_backend(int, uint64_t cap) override {
-    if (*fail_) throw std::runtime_error("no device here");
-    return std::make_unique<HostBackend>(cap);
-  }
-  std::shared_ptr<std::set<nccl::Stream>> capturing_ = std::make_shared<std::set<nccl::Stream>>();
-  std::shared_ptr<bool> fail_ = std::make_shared<bool>(false);
-};
+using shim::HostRuntime;
 
 config::Params params_of(std::vector<std::pair<std::string, std::string>> env) {
   config::ParamSources sources;
@@ -119,10 +46,31 @@ std::vector<std::pair<std::string, std::string>> base_env() {
 
 nccl::Stream stream_of(int rank) { return reinterpret_cast<nccl::Stream>(uintptr_t{0x1000} + 16 * rank); }
 
+// Boost.Test's assertions are not thread-safe: rank threads record failed expectations
+// here, and the test asserts on them after the threads joined.
+class Expectations {
+ public:
+  void expect(bool ok, const char* what, int line) {
+    if (ok) return;
+    std::lock_guard<std::mutex> lock(mutex_);
+    failures_ += std::string(what) + " (line " + std::to_string(line) + ")\n";
+  }
+  std::string failures() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return failures_;
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  std::string failures_;
+};
+#define EXPECT(cond) job.expectations.expect((cond), #cond, __LINE__)
+
 struct Job {
   FakeNccl fake;
   std::vector<std::unique_ptr<Shim>> shims;
   std::vector<HostRuntime*> runtimes;
+  Expectations expectations;  // what rank threads found wrong (EXPECT)
   explicit Job(int ranks, const std::function<config::Params(int)>& params_for =
                               [](int) { return params_of(base_env()); },
                std::chrono::milliseconds timeout = std::chrono::seconds(20))
@@ -139,6 +87,7 @@ struct Job {
     std::vector<std::thread> threads;
     for (int r = 0; r < fake.ranks(); ++r) threads.emplace_back(fn, r);
     for (auto& t : threads) t.join();
+    BOOST_TEST(expectations.failures() == "");
   }
 };
 
@@ -226,6 +175,7 @@ double check_loop(const Loop& loop, uint64_t seed, double tolerance) {
   return worst;
 }
 
+
 std::string pass_reasons_text(const shim::CommCounters& c) {
   std::string out = "passed through:";
   for (const auto& [reason, n] : c.pass_reasons) out += " [" + reason + "] x" + std::to_string(n);
@@ -272,17 +222,17 @@ BOOST_AUTO_TEST_CASE(calls_nccl_would_reduce_differently_pass_through_untouched)
     const nccl::Comm comm = job.fake.comm(r);
     // Max of floats, a sum of int32, a sum smaller than LGRECO_MIN_BYTES: NCCL's results.
     std::vector<float> f(4096, 1.5f + r);
-    BOOST_TEST(shim.all_reduce(f.data(), f.data(), f.size(), nccl::kFloat32, nccl::kMax, comm, stream_of(r)) ==
+    EXPECT(shim.all_reduce(f.data(), f.data(), f.size(), nccl::kFloat32, nccl::kMax, comm, stream_of(r)) ==
                nccl::kSuccess);
-    BOOST_TEST(f[17] == 2.5f);
+    EXPECT(f[17] == 2.5f);
     std::vector<int32_t> i(4096, 3 + r);
-    BOOST_TEST(shim.all_reduce(i.data(), i.data(), i.size(), nccl::kInt32, nccl::kSum, comm, stream_of(r)) ==
+    EXPECT(shim.all_reduce(i.data(), i.data(), i.size(), nccl::kInt32, nccl::kSum, comm, stream_of(r)) ==
                nccl::kSuccess);
-    BOOST_TEST(i[4095] == 7);
+    EXPECT(i[4095] == 7);
     std::vector<float> small(100, 0.25f);
-    BOOST_TEST(shim.all_reduce(small.data(), small.data(), small.size(), nccl::kFloat32, nccl::kSum, comm,
+    EXPECT(shim.all_reduce(small.data(), small.data(), small.size(), nccl::kFloat32, nccl::kSum, comm,
                                stream_of(r)) == nccl::kSuccess);
-    BOOST_TEST(small[99] == 0.5f);
+    EXPECT(small[99] == 0.5f);
   });
   BOOST_TEST(job.fake.violation() == "");
   for (int r = 0; r < 2; ++r) {
@@ -319,19 +269,19 @@ BOOST_AUTO_TEST_CASE(a_group_with_other_operations_is_forwarded_in_the_users_ord
     const nccl::Comm comm = job.fake.comm(r);
     std::vector<float> a(4096, 1.0f), b(4096, 0.0f), c(4096, 2.0f);
     if (r == 0) std::fill(b.begin(), b.end(), 9.0f);
-    BOOST_TEST(shim.group_start() == nccl::kSuccess);
-    BOOST_TEST(shim.all_reduce(a.data(), a.data(), a.size(), nccl::kFloat32, nccl::kSum, comm, stream_of(r)) ==
+    EXPECT(shim.group_start() == nccl::kSuccess);
+    EXPECT(shim.all_reduce(a.data(), a.data(), a.size(), nccl::kFloat32, nccl::kSum, comm, stream_of(r)) ==
                nccl::kSuccess);
     shim.note_other_operation();  // what the exported ncclBroadcast does before forwarding
     FakeNccl::api().broadcast(b.data(), b.data(), b.size(), nccl::kFloat32, 0, comm, stream_of(r));
-    BOOST_TEST(shim.all_reduce(c.data(), c.data(), c.size(), nccl::kFloat32, nccl::kSum, comm, stream_of(r)) ==
+    EXPECT(shim.all_reduce(c.data(), c.data(), c.size(), nccl::kFloat32, nccl::kSum, comm, stream_of(r)) ==
                nccl::kSuccess);
-    BOOST_TEST(shim.group_end() == nccl::kSuccess);
-    BOOST_TEST(a[100] == 2.0f);
-    BOOST_TEST(b[100] == 9.0f);
-    BOOST_TEST(c[100] == 4.0f);
+    EXPECT(shim.group_end() == nccl::kSuccess);
+    EXPECT(a[100] == 2.0f);
+    EXPECT(b[100] == 9.0f);
+    EXPECT(c[100] == 4.0f);
     const std::vector<std::string> order = job.fake.issued(r);
-    BOOST_TEST((order == std::vector<std::string>{"allreduce", "broadcast", "allreduce"}));
+    EXPECT((order == std::vector<std::string>{"allreduce", "broadcast", "allreduce"}));
   });
   BOOST_TEST(job.fake.violation() == "");
   BOOST_TEST(job.shims[0]->counters(job.fake.comm(0))->pass_reasons.at("inside a group with other operations") == 2u);
@@ -339,21 +289,21 @@ BOOST_AUTO_TEST_CASE(a_group_with_other_operations_is_forwarded_in_the_users_ord
 
 BOOST_AUTO_TEST_CASE(graph_capture_and_in_progress_communicators_pass_through) {
   Job job(2);
-  for (auto* rt : job.runtimes) rt->capturing_->insert(stream_of(0)), rt->capturing_->insert(stream_of(1));
+  for (auto* rt : job.runtimes) rt->set_capturing(stream_of(0), true), rt->set_capturing(stream_of(1), true);
   job.run([&](int r) {
     std::vector<float> a(4096, 1.0f);
-    BOOST_TEST(job.shims[r]->all_reduce(a.data(), a.data(), a.size(), nccl::kFloat32, nccl::kSum, job.fake.comm(r),
+    EXPECT(job.shims[r]->all_reduce(a.data(), a.data(), a.size(), nccl::kFloat32, nccl::kSum, job.fake.comm(r),
                                         stream_of(r)) == nccl::kSuccess);
-    BOOST_TEST(a[0] == 2.0f);
+    EXPECT(a[0] == 2.0f);
   });
   job.fake.set_async(0, nccl::kInProgress, 1);
   job.fake.set_async(1, nccl::kInProgress, 1);
-  for (auto* rt : job.runtimes) rt->capturing_->clear();
+  for (auto* rt : job.runtimes) rt->set_capturing(stream_of(0), false), rt->set_capturing(stream_of(1), false);
   job.run([&](int r) {
     std::vector<float> a(4096, 1.0f);
     job.shims[r]->all_reduce(a.data(), a.data(), a.size(), nccl::kFloat32, nccl::kSum, job.fake.comm(r),
                              stream_of(r));
-    BOOST_TEST(a[0] == 2.0f);
+    EXPECT(a[0] == 2.0f);
   });
   for (int r = 0; r < 2; ++r) {
     const auto c = *job.shims[r]->counters(job.fake.comm(r));
@@ -459,9 +409,9 @@ BOOST_AUTO_TEST_CASE(destroying_a_communicator_frees_its_state_and_keeps_its_tot
   loop.run(job, seed);
   const auto before = *job.shims[0]->counters(job.fake.comm(0));
   job.run([&](int r) {
-    BOOST_TEST(job.shims[r]->comm_destroy(job.fake.comm(r)) == nccl::kSuccess);
-    BOOST_TEST(job.fake.counts(r).destroy == 1u);
-    BOOST_TEST(!job.shims[r]->counters(job.fake.comm(r)).has_value());
+    EXPECT(job.shims[r]->comm_destroy(job.fake.comm(r)) == nccl::kSuccess);
+    EXPECT(job.fake.counts(r).destroy == 1u);
+    EXPECT(!job.shims[r]->counters(job.fake.comm(r)).has_value());
   });
   BOOST_TEST(job.shims[0]->total_counters().calls == before.calls);
   BOOST_TEST(job.shims[0]->total_counters().compressed == before.compressed);
@@ -470,7 +420,7 @@ BOOST_AUTO_TEST_CASE(destroying_a_communicator_frees_its_state_and_keeps_its_tot
     std::vector<float> a(4096, 1.0f);
     job.shims[r]->all_reduce(a.data(), a.data(), a.size(), nccl::kFloat32, nccl::kSum, job.fake.comm(r),
                              stream_of(r));
-    BOOST_TEST(job.shims[r]->counters(job.fake.comm(r))->calls == 1u);
+    EXPECT(job.shims[r]->counters(job.fake.comm(r))->calls == 1u);
   });
 }
 

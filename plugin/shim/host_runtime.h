@@ -1,0 +1,91 @@
+// The host runtime: the shim's DeviceRuntime over host memory and the CPU backend
+// (plugin/collective/cpu_backend.h). With it the whole shim runs where no GPU exists:
+// the unit tests (over a test double of NCCL) and lgreco-shim-bench, which times the
+// shim's own host cost. Buffers count against the cap as the CUDA backend's do.
+#pragma once
+
+#include <mutex>
+#include <set>
+
+#include "plugin/collective/cpu_backend.h"
+#include "plugin/shim/device_runtime.h"
+
+namespace lgreco::shim {
+
+class HostBackend final : public StreamBackend {
+ public:
+  explicit HostBackend(uint64_t memory_cap) : cap_(memory_cap) {}
+  std::string name() const override { return "host"; }
+  void set_stream(nccl::Stream stream) override { stream_ = stream; }
+  nccl::Stream stream() const { return stream_; }
+  uint64_t device_bytes() const override { return device_; }
+  uint64_t host_bytes() const override { return host_; }
+
+  std::unique_ptr<Buffer> allocate(uint64_t bytes) override;
+  std::unique_ptr<Buffer> allocate_host(uint64_t bytes) override;
+  void fill_zero(void* data, uint64_t bytes) override { cpu_.fill_zero(data, bytes); }
+  void copy(void* dst, const void* src, uint64_t bytes) override { cpu_.copy(dst, src, bytes); }
+  void upload(void* dst, const void* host_src, uint64_t bytes) override { cpu_.upload(dst, host_src, bytes); }
+  std::unique_ptr<collective::Event> read_back(void* host_dst, const void* src, uint64_t bytes) override {
+    return cpu_.read_back(host_dst, src, bytes);
+  }
+  void find_nonfinite(const collective::Plan& plan, std::span<const collective::Segment> segments,
+                      collective::ElementSpan input, uint8_t* flags) override {
+    cpu_.find_nonfinite(plan, segments, input, flags);
+  }
+  void encode(const collective::Plan& plan, std::span<const collective::Segment> segments,
+              collective::ElementSpan input, float* residual_data, uint64_t residual_first, const uint8_t* flags,
+              const collective::NoiseBase& noise, uint8_t* out, uint64_t byte_offset_base) override {
+    cpu_.encode(plan, segments, input, residual_data, residual_first, flags, noise, out, byte_offset_base);
+  }
+  void decode(const collective::Plan& plan, std::span<const collective::Segment> segments, const uint8_t* in,
+              uint64_t byte_offset_base, collective::ElementSpan out) override {
+    cpu_.decode(plan, segments, in, byte_offset_base, out);
+  }
+  void decode_accumulate(const collective::Plan& plan, std::span<const collective::Segment> segments,
+                         const uint8_t* in, uint64_t byte_offset_base, collective::ElementSpan acc) override {
+    cpu_.decode_accumulate(plan, segments, in, byte_offset_base, acc);
+  }
+  void accumulate_exact(const collective::Plan& plan, std::span<const collective::Segment> segments,
+                        collective::ElementSpan input, float* residual_data, uint64_t residual_first,
+                        const uint8_t* flags, collective::ElementSpan acc) override {
+    cpu_.accumulate_exact(plan, segments, input, residual_data, residual_first, flags, acc);
+  }
+  void divide(float* acc, uint64_t n, float divisor) override { cpu_.divide(acc, n, divisor); }
+  void narrow(const float* acc, uint64_t n, collective::ElementSpan out) override { cpu_.narrow(acc, n, out); }
+  void measure(const collective::Plan& plan, std::span<const collective::Segment> segments,
+               collective::ElementSpan input, const float* residual, uint64_t residual_first,
+               const Measure& m) override {
+    cpu_.measure(plan, segments, input, residual, residual_first, m);
+  }
+  uint64_t mark() override { return cpu_.mark(); }
+  bool mark_ready(uint64_t mark) override { return cpu_.mark_ready(mark); }
+  void wait_mark(uint64_t mark) override { cpu_.wait_mark(mark); }
+  double seconds_between(uint64_t a, uint64_t b) override { return cpu_.seconds_between(a, b); }
+  void release_mark(uint64_t mark) override { cpu_.release_mark(mark); }
+
+ private:
+  std::unique_ptr<Buffer> counted(uint64_t bytes, uint64_t& held);
+  collective::CpuBackend cpu_;
+  uint64_t cap_;
+  uint64_t device_ = 0, host_ = 0;
+  nccl::Stream stream_ = nullptr;
+};
+
+class HostRuntime final : public DeviceRuntime {
+ public:
+  std::string name() const override { return "host"; }
+  // No graphs on the host; tests name the streams that count as being captured.
+  bool capturing(nccl::Stream stream, std::string* error) override;
+  std::unique_ptr<StreamBackend> create_backend(int device, uint64_t memory_cap) override;
+
+  void set_capturing(nccl::Stream stream, bool capturing);
+  void set_unusable(bool unusable);  // create_backend() throws, as without a device
+
+ private:
+  std::mutex mutex_;
+  std::set<nccl::Stream> capturing_;
+  bool unusable_ = false;
+};
+
+}  // namespace lgreco::shim
