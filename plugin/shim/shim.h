@@ -34,6 +34,12 @@
 // Failures after data was queued to peers (a dead peer, a broken connection) return
 // ncclInternalError with the engine's message, which ncclGetLastError then reports.
 //
+// Communicators: the shim keeps state per communicator, made at its first allreduce from
+// ncclCommUserRank, ncclCommCount and ncclCommCuDevice, so communicators from
+// ncclCommInitRank, InitAll, Split, Shrink or InitRankScalable all work alike and their
+// creation needs no interception; ncclCommDestroy, Abort and Finalize end it (a handle
+// NCCL reuses later starts afresh).
+//
 // Threads: NCCL lets one thread at a time call on a communicator, different
 // communicators from different threads; the shim follows (state per communicator, a
 // mutex only around the table of communicators). Group state is per thread, as NCCL's.
