@@ -483,7 +483,10 @@ void Shim::agree(CommState& s, const Call& call) {
     s.backend->upload(device, &mine, sizeof mine);
     const std::vector<uint64_t> bytes(s.size, sizeof(AgreementRecord));
     s.fabric->all_gather_v(device, bytes, device + sizeof(AgreementRecord));
-    auto ready = s.backend->read_back(all.data(), device + sizeof(AgreementRecord), sizeof(AgreementRecord) * s.size);
+    // Pinned, so that the copy is queued and the wait below is ours, bounded (a copy to
+    // pageable memory would block inside CUDA until the peers arrived, if ever).
+    auto host = s.backend->allocate_host(sizeof(AgreementRecord) * s.size);
+    auto ready = s.backend->read_back(host->data(), device + sizeof(AgreementRecord), host->bytes());
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     while (!ready->ready()) {
       if (std::chrono::steady_clock::now() > deadline)
@@ -491,6 +494,7 @@ void Shim::agree(CommState& s, const Call& call) {
                                       "LGRECO_TIMEOUT (is LD_PRELOAD, or LGRECO_MODE=off, set on only some ranks?)");
       std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
+    memcpy(all.data(), host->data(), host->bytes());
   } catch (const std::bad_alloc&) {
     return give_up("cannot allocate the configuration exchange's buffer (LGRECO_MAX_MEMORY?)", true);
   } catch (const std::exception& e) {

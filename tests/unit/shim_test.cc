@@ -6,6 +6,7 @@
 
 #include <boost/test/unit_test.hpp>
 #include <cmath>
+#include <fstream>
 #include <functional>
 #include <mutex>
 #include <random>
@@ -212,6 +213,53 @@ BOOST_AUTO_TEST_CASE(recurring_buffers_are_compressed_bit_identically_across_ran
     }
     BOOST_TEST(contains(shim::summary_line(0, 4, *job.shims[0]->counters(job.fake.comm(0))),
                         "lgreco shim: rank 0/4: 72 allreduce calls, "));
+  }
+}
+
+// Registered mode, adaptive: two buckets of several layers each (one too small to
+// compress), float32 and bfloat16, averaged; the controller switches assignments while
+// the loop runs, and every rank stays bit-identical.
+BOOST_AUTO_TEST_CASE(registered_buckets_adaptive_average_stays_identical_across_switches) {
+  const uint64_t seed = test::run_seed();
+  test::TempDir dir;
+  const std::string path = dir.file("reg.json");
+  {
+    std::ofstream out(path);
+    out << R"({"version": 1, "model": "test", "buckets": [
+      {"count": 41000, "dtype": "float32", "layers": [
+        {"name": "a.bias", "offset": 0, "numel": 1000, "shape": [1000]},
+        {"name": "a.weight", "offset": 1000, "numel": 40000, "shape": [200, 200]}]},
+      {"count": 30720, "dtype": "float32", "layers": [
+        {"name": "b.weight", "offset": 0, "numel": 20480, "shape": [160, 128]},
+        {"name": "c.weight", "offset": 20480, "numel": 10240, "shape": [80, 128]}]}]})";
+  }
+  BOOST_TEST_CONTEXT("seed " << seed) {
+    Job job(4, [&](int) {
+      auto env = base_env();
+      env.push_back({"LGRECO_MODE", "adaptive"});
+      env.push_back({"LGRECO_CODEC", "quant:bits=6"});
+      env.push_back({"LGRECO_REGISTRATION", path});
+      env.push_back({"LGRECO_WARMUP", "4"});
+      env.push_back({"LGRECO_PERIOD", "6"});
+      env.push_back({"LGRECO_WINDOW", "2"});
+      env.push_back({"LGRECO_SWITCH_LAG", "2"});
+      env.push_back({"LGRECO_DECISION_LOG", dir.file("decisions.%r.jsonl")});
+      return params_of(env);
+    });
+    Loop loop(4, 30, {41000, 30720});
+    loop.op = nccl::kAvg;
+    loop.run(job, seed);
+    BOOST_TEST(job.fake.violation() == "");
+    check_loop(loop, seed, 0.08);
+    for (int r = 0; r < 4; ++r) {
+      const shim::CommCounters c = *job.shims[r]->counters(job.fake.comm(r));
+      // The registered pattern is learned from the 2nd step; the 3rd on compresses.
+      BOOST_TEST(c.compressed >= 2u * 26, pass_reasons_text(c));
+    }
+    // Assignments were solved and switched while the loop ran: windows end at steps 6,
+    // 12, 18 and 24 after a warm-up of 4.
+    const std::string decisions = test::read_text(dir.file("decisions.0.jsonl"));
+    BOOST_TEST(test::count_of(decisions, "\"epoch\"") >= 3u, decisions);
   }
 }
 
@@ -422,6 +470,26 @@ BOOST_AUTO_TEST_CASE(destroying_a_communicator_frees_its_state_and_keeps_its_tot
                              stream_of(r));
     EXPECT(job.shims[r]->counters(job.fake.comm(r))->calls == 1u);
   });
+}
+
+// A rank that cannot use its device cannot even join the configuration exchange. Its
+// peers must not hang or compute with wrong data: their exchange fails within the
+// timeout and the call returns an error that says why.
+BOOST_AUTO_TEST_CASE(a_rank_without_a_usable_device_makes_its_peers_fail_clearly_not_hang) {
+  Job job(3, [](int) { return params_of(base_env()); }, std::chrono::milliseconds(1000));
+  job.runtimes[2]->set_unusable(true);
+  std::vector<Result> results(3);
+  job.run([&](int r) {
+    std::vector<float> a(4096, 1.0f);
+    results[r] = job.shims[r]->all_reduce(a.data(), a.data(), a.size(), nccl::kFloat32, nccl::kSum, job.fake.comm(r),
+                                          stream_of(r));
+  });
+  BOOST_TEST(job.fake.violation() != "");  // the mismatch NCCL itself would have hung on
+  for (int r = 0; r < 2; ++r) {
+    BOOST_TEST(results[r] == nccl::kInternalError);
+    BOOST_TEST(contains(job.shims[r]->last_error(job.fake.comm(r)), "configuration exchange failed"));
+  }
+  BOOST_TEST(job.shims[2]->counters(job.fake.comm(2))->pass_reasons.size() == 1u);
 }
 
 BOOST_AUTO_TEST_SUITE_END()
