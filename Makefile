@@ -47,7 +47,9 @@ CORE_SRCS := $(wildcard config/*.cc) $(wildcard controller/*.cc) \
              $(wildcard plugin/transport/*.cc) $(wildcard plugin/collective/*.cc) \
              $(wildcard plugin/shim/*.cc)
 ifeq ($(HAVE_CUDA),1)
-CU_SRCS   := $(wildcard kernels/*.cu)
+CU_SRCS   := $(wildcard kernels/*.cu) $(wildcard plugin/shim/*.cu)
+# A *_none.cc stands in for a .cu file in builds without CUDA only.
+CORE_SRCS := $(filter-out plugin/shim/%_none.cc,$(CORE_SRCS))
 CUDA_LIBS := $(CUDA_HOME)/lib64/libcudart_static.a -ldl -lrt
 else
 CORE_SRCS += $(wildcard kernels/*_none.cc)
@@ -161,12 +163,18 @@ $(TEST_BIN): $(TEST_OBJS) $(CORE_LIB)
 $(TEST_OBJS): CPPFLAGS += -DBOOST_TEST_DYN_LINK
 
 # The CUDA kernels against the CPU reference, and their throughput, on a GPU
-# (tests/gpu/quant_cuda_check.cc; run by tests/gpu/run.sh codec). Built with CUDA only,
+# (tests/gpu/quant_cuda_check.cc; run by tests/gpu/run.sh codec), and the engine's CUDA
+# backend against its CPU backend (below). Built with CUDA only,
 # and by `make test` so that CI compiles it; nothing runs it there (it needs a GPU).
 ifeq ($(HAVE_CUDA),1)
-GPU_CHECK_BIN := $(BUILD)/bin/lgreco-gpu-codec-check
-$(call obj,tests/gpu/quant_cuda_check.cc): CPPFLAGS += -isystem $(CUDA_HOME)/include
-$(GPU_CHECK_BIN): $(call obj,tests/gpu/quant_cuda_check.cc) $(CORE_LIB)
+GPU_CHECK_BIN := $(BUILD)/bin/lgreco-gpu-codec-check $(BUILD)/bin/lgreco-gpu-backend-check
+$(call obj,tests/gpu/quant_cuda_check.cc tests/gpu/backend_check.cc): CPPFLAGS += -isystem $(CUDA_HOME)/include
+$(BUILD)/bin/lgreco-gpu-codec-check: $(call obj,tests/gpu/quant_cuda_check.cc) $(CORE_LIB)
+	@mkdir -p $(@D)
+	$(CXX) -o $@ $< $(CORE_LIB) $(CUDA_LIBS) -ldl -pthread
+# The engine's CUDA backend against the CPU backend (tests/gpu/backend_check.cc; run by
+# tests/gpu/run.sh backend).
+$(BUILD)/bin/lgreco-gpu-backend-check: $(call obj,tests/gpu/backend_check.cc) $(CORE_LIB)
 	@mkdir -p $(@D)
 	$(CXX) -o $@ $< $(CORE_LIB) $(CUDA_LIBS) -ldl -pthread
 endif

@@ -10,6 +10,7 @@
 
 #include <string>
 
+#include "kernels/cuda_launch.h"
 #include "kernels/quant.h"
 #include "kernels/quant_batch.h"
 #include "kernels/quant_cuda.h"
@@ -107,20 +108,6 @@ __global__ void __launch_bounds__(kReduceThreads) stats_reduce_kernel(const __gr
 }
 
 dim3 grid_for(const JobTable& t) { return dim3((t.total_work + kWarpsPerBlock - 1) / kWarpsPerBlock); }
-
-// Launches through cudaLaunchKernel and checks what it returns for this launch, rather
-// than <<<>>> followed by cudaGetLastError(), which would also report (and clear) an
-// earlier error of someone else's call on this thread as ours.
-template <typename... Params>
-void launch_kernel(void (*kernel)(Params...), dim3 grid, uint32_t threads, cudaStream_t stream, const char* name,
-            const Params&... params) {
-  void* args[] = {const_cast<void*>(static_cast<const void*>(&params))...};
-  const cudaError_t e = cudaLaunchKernel(reinterpret_cast<const void*>(kernel), grid, dim3(threads), args, 0, stream);
-  if (e != cudaSuccess)
-    throw CudaError(std::string("lgreco: launching ") + name + " failed: " + cudaGetErrorName(e) + ": " +
-                    cudaGetErrorString(e) +
-                    " (an earlier fault on this device, e.g. an illegal address, is reported by every later launch)");
-}
 
 template <DType T>
 void launch_encode(const JobTable& t, const warp::EncodeArgs& a, bool residual, cudaStream_t s) {

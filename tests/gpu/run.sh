@@ -15,6 +15,12 @@
 #              pass of --check --quick (when compute-sanitizer is there and works), and
 #              --bench; the bench table is printed after the summary. About 3 minutes
 #              on an H200, most of it a cold build; every step is bounded (9 at most)
+#   backend    the engine's CUDA backend (build/bin/lgreco-gpu-backend-check, built here)
+#              against its CPU backend: --check (every operation byte for byte on random
+#              plans, stream switching, the memory cap, events, marks), and one
+#              compute-sanitizer memcheck pass of --check --quick when the tool works.
+#              About 2-3 minutes on an H200, most of it a cold build; bounded by
+#              LGRECO_GPU_BACKEND_SECONDS (default 420). The shim section calls it too.
 #   shim       the collective shim on the GPU, 2 and 4 NCCL ranks sharing the one GPU
 #              (a distinct NCCL_HOSTID each, NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1
 #              NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo): builds build/lib/liblgreco.so,
@@ -119,9 +125,10 @@ last_line() { tail -n 1 "$1" 2>/dev/null | cut -c1-100; }
 # whatever hangs or crawls, the section ends in time and reports what it could do.
 # Expected on an H200: build 1-2 min cold, --check ~10 s, memcheck ~1 min, --bench ~15 s.
 codec_deadline=0
-# step_time CAP: the timeout of the next step, CAP or what is left if less; 0 when under 20 s.
+# step_time CAP [DEADLINE]: the timeout of the next step, CAP or what is left until
+# DEADLINE (default: the codec section's) if less; 0 when under 20 s.
 step_time() {
-  local left=$((codec_deadline - SECONDS))
+  local left=$((${2:-$codec_deadline} - SECONDS))
   (( left > $1 )) && left=$1
   (( left < 20 )) && left=0
   echo "$left"
@@ -227,6 +234,77 @@ section_codec() {
   fi
   row codec "bench targets" "$r" "$(cut -c1-200 <<< "${targets:-no TARGETS line}")"
   fail_if "$r"
+}
+
+# The engine's CUDA backend against the CPU backend. Its steps share one deadline
+# (LGRECO_GPU_BACKEND_SECONDS, default 420 s). Expected on an H200: build 1-2 min cold
+# (less after the codec section), --check 10-30 s, memcheck of --check --quick 1-2 min.
+section_backend() {
+  local bin=build/bin/lgreco-gpu-backend-check cuda rc detail r t deadline
+  deadline=$((SECONDS + ${LGRECO_GPU_BACKEND_SECONDS:-420}))
+  cuda=$(cuda_home)
+  if [[ ! -x "$cuda/bin/nvcc" ]]; then
+    row backend "build lgreco-gpu-backend-check" FAIL "no nvcc ($cuda/bin/nvcc, PATH): set CUDA_HOME"; failed=1; return
+  fi
+  t=$(step_time 300 "$deadline")
+  NVCC_APPEND_FLAGS="${NVCC_APPEND_FLAGS:+$NVCC_APPEND_FLAGS }--threads 0" \
+    timeout "$t" make -j"$JOBS" "$bin" CUDA_HOME="$cuda" PYTHON="$PY" > "$OUT/backend-build.log" 2>&1
+  rc=$?
+  if [[ $rc -ne 0 || ! -x "$bin" ]]; then
+    detail=$(grep -m 1 -E 'error|No rule' "$OUT/backend-build.log" | cut -c1-100)
+    detail="exit $rc: ${detail:-$(last_line "$OUT/backend-build.log")}"
+    [[ $rc -eq 124 ]] && detail="timed out after $t s"
+    row backend "build lgreco-gpu-backend-check" FAIL "$detail (backend-build.log)"; failed=1; return
+  fi
+  row backend "build lgreco-gpu-backend-check" PASS "CUDA at $cuda"
+
+  # Exit 2 is "no CUDA device", 3 its own time limit.
+  t=$(step_time 120 "$deadline")
+  if [[ $t -eq 0 ]]; then row backend "--check" FAIL "skipped: the section ran out of time"; failed=1; return; fi
+  timeout "$t" "$bin" --check --time-limit $((t - 10)) > "$OUT/backend-check.log" 2>&1
+  rc=$?
+  detail=$(grep -E '^SUMMARY: ' "$OUT/backend-check.log" | tail -n 1 | cut -c10-)
+  [[ -z "$detail" ]] && detail="exit $rc: $(last_line "$OUT/backend-check.log")"
+  [[ $rc -eq 124 ]] && detail="timed out after $t s; $(last_line "$OUT/backend-check.log")"
+  r=PASS; [[ $rc -eq 0 ]] || r=FAIL
+  row backend "--check" "$r" "$detail (backend-check.log)"
+  fail_if "$r"
+  local line
+  while IFS= read -r line; do
+    row backend "  failed" FAIL "$(cut -c1-150 <<< "${line#\# failed: }")"
+  done < <(grep -E '^# failed: ' "$OUT/backend-check.log" | head -n 6)
+  # The per-check table comes after the summary.
+  sed -n '/^== lgreco-gpu-backend-check --check/,$p' "$OUT/backend-check.log" > "$OUT/backend-check-table.txt"
+  [[ -s "$OUT/backend-check-table.txt" ]] && appendix+=("$OUT/backend-check-table.txt")
+
+  # One compute-sanitizer memcheck pass of --check --quick, as in the codec section.
+  local cs="" c
+  for c in "$(command -v compute-sanitizer 2>/dev/null)" "$cuda/bin/compute-sanitizer" \
+           "$cuda/compute-sanitizer/compute-sanitizer"; do
+    if [[ -n "$c" && -x "$c" ]]; then cs=$c; break; fi
+  done
+  t=$(step_time 240 "$deadline")
+  if [[ -z "$cs" ]]; then
+    row backend "compute-sanitizer memcheck" INFO "skipped: compute-sanitizer not found (PATH, $cuda/bin, $cuda/compute-sanitizer)"
+  elif [[ $t -eq 0 ]]; then
+    row backend "compute-sanitizer memcheck" INFO "skipped: the section ran out of time"
+  else
+    timeout "$t" "$cs" --tool memcheck --error-exitcode 99 --print-limit 20 \
+      "$bin" --check --quick --time-limit $((t - 10)) > "$OUT/backend-memcheck.log" 2>&1
+    rc=$?
+    local errors result
+    errors=$(grep -E 'ERROR SUMMARY' "$OUT/backend-memcheck.log" | tail -n 1 | sed 's/^[= ]*//')
+    result=$(grep -E '^RESULT: ' "$OUT/backend-memcheck.log" | tail -n 1)
+    # Memory errors decide this row; a sanitizer that cannot run at all here (no ERROR
+    # SUMMARY, not a timeout) is reported, not counted (the codec section tells why).
+    r=PASS
+    if [[ $rc -eq 99 || $rc -eq 124 || ! "$errors" =~ ERROR\ SUMMARY:\ 0\ errors ]]; then r=FAIL; fi
+    [[ -z "$errors" && $rc -ne 99 && $rc -ne 124 ]] && r=INFO
+    detail="${errors:-no ERROR SUMMARY (exit $rc)}; --check --quick ${result:-exit $rc}"
+    [[ $rc -eq 124 ]] && detail="timed out after $t s; $detail"
+    row backend "memcheck --check --quick" "$r" "$detail (backend-memcheck.log)"
+    fail_if "$r"
+  fi
 }
 
 # The collective shim on the GPU: lgreco-bench --fabric nccl against plain NCCL, then
@@ -353,13 +431,14 @@ section_shim() {
 }
 
 sections=("$@")
-[[ ${#sections[@]} -eq 0 ]] && sections=(register codec shim)
+[[ ${#sections[@]} -eq 0 ]] && sections=(register codec backend shim)
 for s in "${sections[@]}"; do
   case "$s" in
     register) section_register ;;
     codec) section_codec ;;
+    backend) section_backend ;;
     shim) section_shim ;;
-    *) echo "tests/gpu/run.sh: unknown section '$s' (sections: register codec shim)" >&2; exit 2 ;;
+    *) echo "tests/gpu/run.sh: unknown section '$s' (sections: register codec backend shim)" >&2; exit 2 ;;
   esac
 done
 

@@ -1,0 +1,839 @@
+// The engine's CUDA backend (cuda_backend.h): quant segments go to the batched kernels of
+// kernels/quant_cuda.h; `none` segments, the NaN scan, the owner's exact sum, the
+// division and the narrowing are the small element-wise kernels below. Everything is
+// enqueued on the current stream; nothing waits for the device except Event::wait,
+// wait_mark and the statistics' scratch growing (see measure).
+//
+// Bytes: every kernel here reproduces plugin/collective/cpu_backend.cc (and NoneCodec in
+// kernels/codec.cc) bit for bit. Built with --fmad=false and every float32 operation
+// spelled out (quant_math.h's f32_add / f32_sub / f32_div), so nothing is contracted.
+// Conversions are dtype.h's own helpers, compiled for the device. One more rule: where
+// the CPU reference adds or divides float32 values that may be NaN (a `none` layer's
+// residual, the owner's sums, decode-accumulate of `none`, the division), x86 SSE
+// arithmetic passes a NaN operand's bits through (quieted) while the GPU writes its
+// canonical NaN; the *_as_x86 helpers below do what SSE does, so that the bytes agree
+// (docs/KERNELS.md, "The engine's CUDA backend").
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <mutex>
+#include <new>
+#include <stdexcept>
+#include <string>
+
+#include "config/log.h"
+#include "kernels/codec_spec.h"
+#include "kernels/cuda_launch.h"
+#include "kernels/dtype.h"
+#include "kernels/quant_math.h"
+#include "plugin/shim/cuda_backend.h"
+
+namespace lgreco::shim {
+
+using collective::ElementSpan;
+using collective::Event;
+using collective::NoiseBase;
+using collective::Plan;
+using collective::Segment;
+namespace qc = quant::cuda;
+
+struct CudaBackend::Accounts {
+  std::atomic<uint64_t> device{0};
+  std::atomic<uint64_t> host{0};
+};
+
+namespace {
+
+[[noreturn]] void cuda_failed(cudaError_t e, const std::string& call) {
+  throw qc::CudaError("lgreco: " + call + " failed: " + cudaGetErrorName(e) + ": " + cudaGetErrorString(e));
+}
+void check(cudaError_t e, const char* call) {
+  if (e != cudaSuccess) cuda_failed(e, call);
+}
+
+// Makes `device` current for the guard's life and then restores the caller's device:
+// the framework's thread may have another device current than the communicator's.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    check(cudaGetDevice(&previous_), "cudaGetDevice");
+    if (previous_ != device) {
+      const cudaError_t e = cudaSetDevice(device);
+      if (e != cudaSuccess) cuda_failed(e, "cudaSetDevice(" + std::to_string(device) + ")");
+      restore_ = true;
+    }
+  }
+  ~DeviceGuard() {
+    if (restore_) cudaSetDevice(previous_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+  bool restore_ = false;
+};
+
+// For destructors: the same without throwing (a failure there has been or will be
+// reported by the operation that met it).
+class QuietDeviceGuard {
+ public:
+  explicit QuietDeviceGuard(int device) {
+    if (cudaGetDevice(&previous_) == cudaSuccess && previous_ != device && cudaSetDevice(device) == cudaSuccess)
+      restore_ = true;
+  }
+  ~QuietDeviceGuard() {
+    if (restore_) cudaSetDevice(previous_);
+  }
+  QuietDeviceGuard(const QuietDeviceGuard&) = delete;
+  QuietDeviceGuard& operator=(const QuietDeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+  bool restore_ = false;
+};
+
+// ---------------------------------------------------------------------------------------
+// Buffers
+
+class DeviceBuffer final : public collective::Backend::Buffer {
+ public:
+  DeviceBuffer(void* data, uint64_t bytes, int device, std::shared_ptr<CudaBackend::Accounts> accounts)
+      : data_(data), bytes_(bytes), device_(device), accounts_(std::move(accounts)) {}
+  ~DeviceBuffer() override {
+    // cudaFree waits for the device to be idle, so work still reading the buffer finishes
+    // first (the engine frees buffers between calls, never inside one).
+    QuietDeviceGuard guard(device_);
+    cudaFree(data_);
+    accounts_->device -= bytes_;
+  }
+  void* data() override { return data_; }
+  uint64_t bytes() const override { return bytes_; }
+
+ private:
+  void* data_;
+  uint64_t bytes_;
+  int device_;
+  std::shared_ptr<CudaBackend::Accounts> accounts_;
+};
+
+class PinnedBuffer final : public collective::Backend::Buffer {
+ public:
+  PinnedBuffer(void* data, uint64_t bytes, std::shared_ptr<CudaBackend::Accounts> accounts)
+      : data_(data), bytes_(bytes), accounts_(std::move(accounts)) {}
+  ~PinnedBuffer() override {
+    cudaFreeHost(data_);
+    accounts_->host -= bytes_;
+  }
+  void* data() override { return data_; }
+  uint64_t bytes() const override { return bytes_; }
+
+ private:
+  void* data_;
+  uint64_t bytes_;
+  std::shared_ptr<CudaBackend::Accounts> accounts_;
+};
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------
+// Read-back events: a pool shared with the Event objects (which may outlive the backend),
+// so that a read-back creates no event once the pool has one free.
+
+struct CudaBackend::EventPool {
+  explicit EventPool(int d) : device(d) {}
+  ~EventPool() {
+    QuietDeviceGuard guard(device);
+    for (cudaEvent_t e : free) cudaEventDestroy(e);
+  }
+  cudaEvent_t take() {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      if (!free.empty()) {
+        cudaEvent_t e = free.back();
+        free.pop_back();
+        return e;
+      }
+    }
+    cudaEvent_t e = nullptr;
+    check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags (read-back event)");
+    return e;
+  }
+  void give(cudaEvent_t e) {
+    std::lock_guard<std::mutex> lock(mutex);
+    free.push_back(e);
+  }
+
+  int device;
+  std::mutex mutex;
+  std::vector<cudaEvent_t> free;
+};
+
+namespace {
+
+class ReadBackEvent final : public Event {
+ public:
+  ReadBackEvent(std::shared_ptr<CudaBackend::EventPool> pool, cudaEvent_t event)
+      : pool_(std::move(pool)), event_(event) {}
+  ~ReadBackEvent() override { pool_->give(event_); }
+  // Not ready while the copy is pending; a device error (a fault of earlier work) throws
+  // CudaError rather than leaving a caller that polls waiting for ever.
+  bool ready() override {
+    const cudaError_t e = cudaEventQuery(event_);
+    if (e == cudaSuccess) return true;
+    if (e == cudaErrorNotReady) return false;
+    cuda_failed(e, "cudaEventQuery (read-back)");
+  }
+  void wait() override { check(cudaEventSynchronize(event_), "cudaEventSynchronize (read-back)"); }
+
+ private:
+  std::shared_ptr<CudaBackend::EventPool> pool_;
+  cudaEvent_t event_;
+};
+
+// ---------------------------------------------------------------------------------------
+// Kernels. Segments travel by value in the kernel's parameters (a table of up to
+// kMaxSegmentsPerLaunch, __grid_constant__), as quant_warp.h's JobTable does: nothing to
+// allocate or upload per call. Block row y of the grid serves segment y of the table;
+// its blocks stride over the segment's elements.
+
+constexpr uint32_t kMaxSegmentsPerLaunch = 64;
+constexpr uint32_t kThreads = 256;
+constexpr uint32_t kMaxBlocksPerSegment = 1024;
+constexpr uint32_t kMaxBlocksFlat = 8192;
+
+struct SegmentJob {
+  uint64_t offset;       // first element, within the call
+  uint64_t count;        // elements
+  uint64_t byte_offset;  // of the payload, from the batch's payload pointer
+  uint32_t layer;
+  uint32_t pad;
+};
+struct SegmentTable {
+  uint32_t count;
+  uint32_t pad;
+  SegmentJob jobs[kMaxSegmentsPerLaunch];
+};
+static_assert(sizeof(SegmentTable) <= 2100, "kernel parameters are limited to 4 KB with the arguments");
+
+// x86 SSE's float32 NaN rules (Intel SDM vol. 1, 4.8.3.5): a NaN operand comes out
+// quieted, the first operand's when both are NaN; a NaN made from non-NaN operands
+// (inf - inf, 0/0) is the "real indefinite" 0xFFC00000. The CPU reference's additions
+// are ordered as g++ emits them (input + residual, sum + addend, decoded value +
+// accumulator; docs/KERNELS.md).
+constexpr uint32_t kX86DefaultNaN = 0xffc00000u;
+__device__ __forceinline__ bool is_nan(float v) { return (float_bits(v) & 0x7fffffffu) > 0x7f800000u; }
+__device__ __forceinline__ float quieted(float v) { return bits_float(float_bits(v) | 0x00400000u); }
+__device__ __forceinline__ float add_as_x86(float a, float b) {
+  if (is_nan(a)) return quieted(a);
+  if (is_nan(b)) return quieted(b);
+  const float s = quant::f32_add(a, b);
+  return is_nan(s) ? bits_float(kX86DefaultNaN) : s;
+}
+__device__ __forceinline__ float div_as_x86(float a, float b) {
+  if (is_nan(a)) return quieted(a);
+  if (is_nan(b)) return quieted(b);
+  const float q = quant::f32_div(a, b);
+  return is_nan(q) ? bits_float(kX86DefaultNaN) : q;
+}
+
+__device__ __forceinline__ uint64_t thread_index() {
+  return static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+}
+__device__ __forceinline__ uint64_t thread_stride() { return static_cast<uint64_t>(gridDim.x) * blockDim.x; }
+
+struct ScanArgs {
+  const void* input;
+  uint64_t input_first;
+  uint8_t* flags;
+  DType input_dtype;
+};
+
+// find_nonfinite, first pass: every segment's layer flag becomes 0 (all tables' zeroing
+// runs before any table's scan, as the CPU zeroes every flag before setting any).
+__global__ void __launch_bounds__(kThreads) zero_flags_kernel(const __grid_constant__ SegmentTable t,
+                                                              const __grid_constant__ ScanArgs a) {
+  for (uint32_t i = threadIdx.x; i < t.count; i += blockDim.x) a.flags[t.jobs[i].layer] = 0;
+}
+
+// Second pass: a layer with a NaN or an infinity among its segments' values gets 1.
+__global__ void __launch_bounds__(kThreads) nonfinite_kernel(const __grid_constant__ SegmentTable t,
+                                                             const __grid_constant__ ScanArgs a) {
+  const SegmentJob& j = t.jobs[blockIdx.y];
+  const uint64_t base = j.offset - a.input_first;
+  bool bad = false;
+  for (uint64_t i = thread_index(); i < j.count && !bad; i += thread_stride())
+    bad = !quant::is_finite_value(load_as_float(a.input, a.input_dtype, base + i));
+  if (bad) a.flags[j.layer] = 1;
+}
+
+struct NoneEncodeArgs {
+  const void* input;
+  uint64_t input_first;
+  float* residual;  // null: no error feedback
+  uint64_t residual_first;
+  const uint8_t* flags;  // null, or per layer: nonzero = no residual
+  uint8_t* payload;
+  DType input_dtype;
+  DType payload_dtype;  // the plan's
+};
+
+// NoneCodec::encode, and CpuBackend::encode's branch for a float32 sum sent in a 16-bit
+// type (the same arithmetic with the input's and the payload's types apart).
+__global__ void __launch_bounds__(kThreads) none_encode_kernel(const __grid_constant__ SegmentTable t,
+                                                               const __grid_constant__ NoneEncodeArgs a) {
+  const SegmentJob& j = t.jobs[blockIdx.y];
+  float* r = (a.residual && !(a.flags && a.flags[j.layer])) ? a.residual + (j.offset - a.residual_first) : nullptr;
+  const uint64_t base = j.offset - a.input_first;
+  uint8_t* out = a.payload + j.byte_offset;
+  for (uint64_t i = thread_index(); i < j.count; i += thread_stride()) {
+    const float x = load_as_float(a.input, a.input_dtype, base + i);
+    const float v = r ? add_as_x86(x, r[i]) : x;
+    store_from_float(out, a.payload_dtype, i, v);
+    if (r) {
+      // A sum that overflows the payload type is sent as an infinity and keeps its residual.
+      const float sent = round_to_dtype(v, a.payload_dtype);
+      if (quant::is_finite_value(sent)) r[i] = quant::f32_sub(v, sent);
+    }
+  }
+}
+
+struct NoneDecodeArgs {
+  const uint8_t* payload;
+  void* output;
+  uint64_t output_first;
+  DType payload_dtype;
+  DType output_dtype;  // float32 for decode-accumulate
+};
+
+template <bool kAccumulate>
+__global__ void __launch_bounds__(kThreads) none_decode_kernel(const __grid_constant__ SegmentTable t,
+                                                               const __grid_constant__ NoneDecodeArgs a) {
+  const SegmentJob& j = t.jobs[blockIdx.y];
+  const uint8_t* in = a.payload + j.byte_offset;
+  const uint64_t base = j.offset - a.output_first;
+  for (uint64_t i = thread_index(); i < j.count; i += thread_stride()) {
+    const float v = load_as_float(in, a.payload_dtype, i);
+    if constexpr (kAccumulate) {
+      float* acc = static_cast<float*>(a.output) + base + i;
+      *acc = add_as_x86(v, *acc);
+    } else {
+      store_from_float(a.output, a.output_dtype, base + i, v);
+    }
+  }
+}
+
+struct ExactArgs {
+  const void* input;
+  uint64_t input_first;
+  float* residual;
+  uint64_t residual_first;
+  const uint8_t* flags;
+  float* acc;
+  uint64_t acc_first;
+  DType input_dtype;
+};
+
+// CpuBackend::accumulate_exact: acc += input + residual, the residual then 0, except in
+// flagged layers (residual untouched and not added).
+__global__ void __launch_bounds__(kThreads) exact_kernel(const __grid_constant__ SegmentTable t,
+                                                         const __grid_constant__ ExactArgs a) {
+  const SegmentJob& j = t.jobs[blockIdx.y];
+  float* r = (a.residual && !(a.flags && a.flags[j.layer])) ? a.residual + (j.offset - a.residual_first) : nullptr;
+  const uint64_t in_base = j.offset - a.input_first;
+  float* sum = a.acc + (j.offset - a.acc_first);
+  for (uint64_t i = thread_index(); i < j.count; i += thread_stride()) {
+    const float x = load_as_float(a.input, a.input_dtype, in_base + i);
+    const float addend = r ? add_as_x86(x, r[i]) : x;
+    sum[i] = add_as_x86(sum[i], addend);
+    if (r) r[i] = 0.0f;
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) divide_kernel(float* acc, uint64_t n, float divisor) {
+  for (uint64_t i = thread_index(); i < n; i += thread_stride()) acc[i] = div_as_x86(acc[i], divisor);
+}
+
+__global__ void __launch_bounds__(kThreads) narrow_kernel(const float* acc, uint64_t n, void* out, DType out_dtype) {
+  for (uint64_t i = thread_index(); i < n; i += thread_stride()) store_from_float(out, out_dtype, i, acc[i]);
+}
+
+dim3 table_grid(uint64_t max_count, uint32_t segments) {
+  const uint64_t blocks = std::clamp<uint64_t>((max_count + kThreads - 1) / kThreads, 1, kMaxBlocksPerSegment);
+  return dim3(static_cast<uint32_t>(blocks), segments);
+}
+dim3 flat_grid(uint64_t n) {
+  return dim3(static_cast<uint32_t>(std::clamp<uint64_t>((n + kThreads - 1) / kThreads, 1, kMaxBlocksFlat)));
+}
+
+// Calls launch(table, grid) for each run of up to kMaxSegmentsPerLaunch segments
+// (empty ones dropped unless keep_empty), payload offsets from byte_offset_base.
+template <class Launch>
+void for_each_table(std::span<const Segment> segments, uint64_t byte_offset_base, bool keep_empty, Launch&& launch) {
+  SegmentTable t;
+  t.count = 0;
+  t.pad = 0;
+  uint64_t max_count = 0;
+  const auto flush = [&] {
+    if (t.count == 0) return;
+    launch(t, table_grid(max_count, t.count));
+    t.count = 0;
+    max_count = 0;
+  };
+  for (const Segment& s : segments) {
+    if (s.count == 0 && !keep_empty) continue;
+    t.jobs[t.count++] = SegmentJob{s.offset, s.count, byte_offset_base + s.byte_offset, s.layer, 0};
+    max_count = std::max(max_count, s.count);
+    if (t.count == kMaxSegmentsPerLaunch) flush();
+  }
+  flush();
+}
+
+// A segment must lie at or after the first element of every array it is addressed in
+// (the kernels index array[offset - first]); checked on the host, as quant_cuda does.
+void require_after(const Segment& s, uint64_t first, const char* op, const char* array) {
+  if (s.count > 0 && s.offset < first)
+    throw CodecError(std::string("cuda backend ") + op + ": segment of layer " + std::to_string(s.layer) +
+                     " at element " + std::to_string(s.offset) + " lies before the " + array + "'s first element " +
+                     std::to_string(first));
+}
+
+bool is_quant(const Plan& plan, const Segment& s) { return plan.codecs.at(s.codec).family() == CodecFamily::kQuant; }
+
+qc::Job quant_job(const Plan& plan, const Segment& s, uint64_t byte_offset_base) {
+  qc::Job job;
+  job.element_offset = s.offset;
+  job.count = s.count;
+  job.first_element = s.first_element;
+  job.byte_offset = byte_offset_base + s.byte_offset;
+  job.layer = s.layer;
+  job.params = plan.codecs[s.codec].quant_params();
+  return job;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------
+// The backend
+
+CudaBackend::CudaBackend(int device, uint64_t memory_cap)
+    : device_(device),
+      cap_(memory_cap),
+      accounts_(std::make_shared<Accounts>()),
+      read_back_events_(std::make_shared<EventPool>(device)) {}
+
+std::unique_ptr<CudaBackend> CudaBackend::create(int device, uint64_t memory_cap) {
+  int previous = 0;
+  cudaError_t e = cudaGetDevice(&previous);
+  if (e == cudaSuccess) e = cudaSetDevice(device);
+  if (e != cudaSuccess) {
+    cudaGetLastError();  // not sticky: the framework's next check must not see it as its own
+    throw std::runtime_error("lgreco: cannot use CUDA device " + std::to_string(device) +
+                             ": cudaSetDevice failed: " + cudaGetErrorName(e) + ": " + cudaGetErrorString(e));
+  }
+  cudaSetDevice(previous);
+  std::unique_ptr<CudaBackend> backend(new CudaBackend(device, memory_cap));
+  DeviceGuard guard(device);
+  check(cudaEventCreateWithFlags(&backend->switch_event_, cudaEventDisableTiming),
+        "cudaEventCreateWithFlags (stream switch)");
+  return backend;
+}
+
+CudaBackend::~CudaBackend() {
+  QuietDeviceGuard guard(device_);
+  if (switch_event_) cudaEventDestroy(switch_event_);
+  for (cudaEvent_t e : marks_) cudaEventDestroy(e);
+  if (scratch_) {
+    cudaFree(scratch_);
+    accounts_->device -= scratch_bytes_;
+  }
+}
+
+void CudaBackend::set_stream(nccl::Stream stream) {
+  if (stream == stream_) return;
+  DeviceGuard guard(device_);
+  // What was enqueued on the old stream (residual updates, read-backs) comes first.
+  check(cudaEventRecord(switch_event_, stream_), "cudaEventRecord (stream switch)");
+  check(cudaStreamWaitEvent(stream, switch_event_, 0), "cudaStreamWaitEvent (stream switch)");
+  stream_ = stream;
+}
+
+uint64_t CudaBackend::device_bytes() const { return accounts_->device.load(); }
+uint64_t CudaBackend::host_bytes() const { return accounts_->host.load(); }
+
+void CudaBackend::reserve(uint64_t bytes, const char* what) {
+  if (cap_ == 0) return;
+  const uint64_t held = device_bytes() + host_bytes();
+  if (bytes <= cap_ && held <= cap_ - bytes) return;
+  LGRECO_INFO("SHIM",
+              "cannot allocate %llu bytes of %s memory on CUDA device %d: lgreco holds %llu bytes and its cap is %llu "
+              "(LGRECO_MAX_MEMORY)",
+              static_cast<unsigned long long>(bytes), what, device_, static_cast<unsigned long long>(held),
+              static_cast<unsigned long long>(cap_));
+  throw std::bad_alloc();
+}
+
+namespace {
+// A failed allocation: one INFO line, the runtime's error cleared if it is the ordinary
+// out-of-memory one (not sticky; left set, the framework would take it for its own), and
+// std::bad_alloc, as the engine expects.
+[[noreturn]] void allocation_failed(cudaError_t e, const char* call, uint64_t bytes, int device) {
+  if (e == cudaErrorMemoryAllocation) cudaGetLastError();
+  LGRECO_INFO("SHIM", "%s of %llu bytes on CUDA device %d failed: %s: %s", call, static_cast<unsigned long long>(bytes),
+              device, cudaGetErrorName(e), cudaGetErrorString(e));
+  throw std::bad_alloc();
+}
+}  // namespace
+
+std::unique_ptr<collective::Backend::Buffer> CudaBackend::allocate(uint64_t bytes) {
+  DeviceGuard guard(device_);
+  reserve(bytes, "device");
+  void* data = nullptr;
+  // Never a null pointer, even for 0 bytes: null means "absent" to the operations.
+  const cudaError_t e = cudaMalloc(&data, std::max<uint64_t>(bytes, 1));
+  if (e != cudaSuccess) allocation_failed(e, "cudaMalloc", bytes, device_);
+  accounts_->device += bytes;
+  std::unique_ptr<Buffer> buffer;
+  try {
+    buffer = std::make_unique<DeviceBuffer>(data, bytes, device_, accounts_);
+  } catch (...) {
+    cudaFree(data);
+    accounts_->device -= bytes;
+    throw;
+  }
+  if (bytes) check(cudaMemsetAsync(data, 0, bytes, stream_), "cudaMemsetAsync (allocate)");
+  return buffer;
+}
+
+std::unique_ptr<collective::Backend::Buffer> CudaBackend::allocate_host(uint64_t bytes) {
+  DeviceGuard guard(device_);
+  reserve(bytes, "pinned host");
+  void* data = nullptr;
+  const cudaError_t e = cudaHostAlloc(&data, std::max<uint64_t>(bytes, 1), cudaHostAllocPortable);
+  if (e != cudaSuccess) allocation_failed(e, "cudaHostAlloc", bytes, device_);
+  accounts_->host += bytes;
+  std::unique_ptr<Buffer> buffer;
+  try {
+    buffer = std::make_unique<PinnedBuffer>(data, bytes, accounts_);
+  } catch (...) {
+    cudaFreeHost(data);
+    accounts_->host -= bytes;
+    throw;
+  }
+  if (bytes) memset(data, 0, bytes);
+  return buffer;
+}
+
+void CudaBackend::fill_zero(void* data, uint64_t bytes) {
+  if (bytes == 0) return;
+  DeviceGuard guard(device_);
+  check(cudaMemsetAsync(data, 0, bytes, stream_), "cudaMemsetAsync (fill_zero)");
+}
+
+void CudaBackend::copy(void* dst, const void* src, uint64_t bytes) {
+  if (bytes == 0 || dst == src) return;
+  DeviceGuard guard(device_);
+  check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_), "cudaMemcpyAsync (copy)");
+}
+
+void CudaBackend::upload(void* dst, const void* host_src, uint64_t bytes) {
+  if (bytes == 0) return;
+  DeviceGuard guard(device_);
+  // From pageable memory the runtime has staged the source before this returns, so the
+  // caller may reuse it at once (pinned sources would still be read afterwards).
+  check(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, stream_), "cudaMemcpyAsync (upload)");
+}
+
+std::unique_ptr<Event> CudaBackend::read_back(void* host_dst, const void* src, uint64_t bytes) {
+  DeviceGuard guard(device_);
+  if (bytes) check(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, stream_), "cudaMemcpyAsync (read_back)");
+  cudaEvent_t event = read_back_events_->take();
+  const cudaError_t e = cudaEventRecord(event, stream_);
+  if (e != cudaSuccess) {
+    read_back_events_->give(event);
+    cuda_failed(e, "cudaEventRecord (read_back)");
+  }
+  try {
+    return std::make_unique<ReadBackEvent>(read_back_events_, event);
+  } catch (...) {
+    read_back_events_->give(event);
+    throw;
+  }
+}
+
+void CudaBackend::find_nonfinite(const Plan&, std::span<const Segment> segments, ElementSpan input, uint8_t* flags) {
+  if (segments.empty()) return;
+  for (const Segment& s : segments) require_after(s, input.first, "find_nonfinite", "input");
+  DeviceGuard guard(device_);
+  const ScanArgs args{input.data, input.first, flags, input.dtype};
+  // Every table's zeroing before any table's scan: a layer's segments may span tables.
+  for_each_table(segments, 0, true, [&](const SegmentTable& t, dim3) {
+    qc::launch_kernel(zero_flags_kernel, dim3(1), kThreads, stream_, "the backend's flag-zeroing kernel", t, args);
+  });
+  for_each_table(segments, 0, false, [&](const SegmentTable& t, dim3 grid) {
+    qc::launch_kernel(nonfinite_kernel, grid, kThreads, stream_, "the backend's NaN/Inf scan kernel", t, args);
+  });
+}
+
+void CudaBackend::encode(const Plan& plan, std::span<const Segment> segments, ElementSpan input, float* residual_data,
+                         uint64_t residual_first, const uint8_t* flags, const NoiseBase& noise, uint8_t* out,
+                         uint64_t byte_offset_base) {
+  quant_jobs_.clear();
+  none_segments_.clear();
+  for (const Segment& s : segments) {
+    if (s.count == 0) continue;
+    require_after(s, input.first, "encode", "input");
+    if (residual_data) require_after(s, residual_first, "encode", "residual");
+    if (is_quant(plan, s))
+      quant_jobs_.push_back(quant_job(plan, s, byte_offset_base));
+    else
+      none_segments_.push_back(s);
+  }
+  DeviceGuard guard(device_);
+  if (!quant_jobs_.empty()) {
+    qc::EncodeBatch batch;
+    batch.jobs = quant_jobs_;
+    batch.input = input.data;
+    batch.input_dtype = input.dtype;
+    batch.input_first = input.first;
+    batch.residual = residual_data;
+    batch.residual_first = residual_first;
+    batch.skip_residual = flags;
+    batch.payload = out;
+    batch.noise = NoiseKey{noise.seed, noise.rank, noise.step, noise.layer_base};
+    qc::encode(batch, stream_);
+  }
+  if (!none_segments_.empty()) {
+    const NoneEncodeArgs args{input.data, input.first, residual_data, residual_first, flags,
+                              out,        input.dtype, plan.dtype};
+    for_each_table(none_segments_, byte_offset_base, false, [&](const SegmentTable& t, dim3 grid) {
+      qc::launch_kernel(none_encode_kernel, grid, kThreads, stream_, "the backend's `none` encode kernel", t, args);
+    });
+  }
+}
+
+void CudaBackend::decode(const Plan& plan, std::span<const Segment> segments, const uint8_t* in,
+                         uint64_t byte_offset_base, ElementSpan out) {
+  quant_jobs_.clear();
+  none_segments_.clear();
+  for (const Segment& s : segments) {
+    if (s.count == 0) continue;
+    require_after(s, out.first, "decode", "output");
+    if (is_quant(plan, s))
+      quant_jobs_.push_back(quant_job(plan, s, byte_offset_base));
+    else
+      none_segments_.push_back(s);
+  }
+  DeviceGuard guard(device_);
+  if (!quant_jobs_.empty())
+    qc::decode(qc::DecodeBatch{quant_jobs_, in, out.data, out.dtype, out.first}, stream_);
+  if (!none_segments_.empty()) {
+    const NoneDecodeArgs args{in, out.data, out.first, plan.dtype, out.dtype};
+    for_each_table(none_segments_, byte_offset_base, false, [&](const SegmentTable& t, dim3 grid) {
+      qc::launch_kernel(none_decode_kernel<false>, grid, kThreads, stream_, "the backend's `none` decode kernel", t,
+                        args);
+    });
+  }
+}
+
+void CudaBackend::decode_accumulate(const Plan& plan, std::span<const Segment> segments, const uint8_t* in,
+                                    uint64_t byte_offset_base, ElementSpan acc) {
+  if (acc.dtype != DType::kFloat32) throw CodecError("cuda backend decode_accumulate: accumulators must be float32");
+  quant_jobs_.clear();
+  none_segments_.clear();
+  for (const Segment& s : segments) {
+    if (s.count == 0) continue;
+    require_after(s, acc.first, "decode_accumulate", "accumulator");
+    if (is_quant(plan, s))
+      quant_jobs_.push_back(quant_job(plan, s, byte_offset_base));
+    else
+      none_segments_.push_back(s);
+  }
+  DeviceGuard guard(device_);
+  if (!quant_jobs_.empty())
+    qc::decode_accumulate(qc::DecodeBatch{quant_jobs_, in, acc.data, DType::kFloat32, acc.first}, stream_);
+  if (!none_segments_.empty()) {
+    const NoneDecodeArgs args{in, acc.data, acc.first, plan.dtype, DType::kFloat32};
+    for_each_table(none_segments_, byte_offset_base, false, [&](const SegmentTable& t, dim3 grid) {
+      qc::launch_kernel(none_decode_kernel<true>, grid, kThreads, stream_,
+                        "the backend's `none` decode-accumulate kernel", t, args);
+    });
+  }
+}
+
+void CudaBackend::accumulate_exact(const Plan&, std::span<const Segment> segments, ElementSpan input,
+                                   float* residual_data, uint64_t residual_first, const uint8_t* flags,
+                                   ElementSpan acc) {
+  if (acc.dtype != DType::kFloat32) throw CodecError("cuda backend accumulate_exact: accumulators must be float32");
+  for (const Segment& s : segments) {
+    require_after(s, input.first, "accumulate_exact", "input");
+    require_after(s, acc.first, "accumulate_exact", "accumulator");
+    if (residual_data) require_after(s, residual_first, "accumulate_exact", "residual");
+  }
+  DeviceGuard guard(device_);
+  const ExactArgs args{input.data, input.first, residual_data,          residual_first,
+                       flags,      static_cast<float*>(acc.data), acc.first, input.dtype};
+  for_each_table(segments, 0, false, [&](const SegmentTable& t, dim3 grid) {
+    qc::launch_kernel(exact_kernel, grid, kThreads, stream_, "the backend's exact-accumulate kernel", t, args);
+  });
+}
+
+void CudaBackend::divide(float* acc, uint64_t n, float divisor) {
+  if (n == 0) return;
+  DeviceGuard guard(device_);
+  qc::launch_kernel(divide_kernel, flat_grid(n), kThreads, stream_, "the backend's divide kernel", acc, n, divisor);
+}
+
+void CudaBackend::narrow(const float* acc, uint64_t n, ElementSpan out) {
+  if (n == 0) return;
+  if (out.dtype == DType::kFloat32) {
+    copy(out.data, acc, n * sizeof(float));
+    return;
+  }
+  DeviceGuard guard(device_);
+  void* data = out.data;
+  DType dtype = out.dtype;
+  qc::launch_kernel(narrow_kernel, flat_grid(n), kThreads, stream_, "the backend's narrow kernel", acc, n, data, dtype);
+}
+
+void CudaBackend::measure(const Plan&, std::span<const Segment> segments, ElementSpan input, const float* residual,
+                          uint64_t residual_first, const Measure& m) {
+  quant_jobs_.clear();
+  for (const Segment& s : segments) {
+    if (s.count == 0 || !m.measured[s.layer]) continue;
+    qc::Job job;
+    job.element_offset = s.offset;
+    job.count = s.count;
+    job.first_element = s.first_element;
+    job.layer = s.layer;  // params are ignored by the statistics
+    quant_jobs_.push_back(job);
+  }
+  if (quant_jobs_.empty() || m.candidates.empty()) return;
+  DeviceGuard guard(device_);
+  const uint64_t need = qc::stats_scratch_bytes(quant_jobs_, m.candidates);
+  if (need > scratch_bytes_) {
+    // The one allocation on the data path, on the first measuring call and whenever a call
+    // needs more than any before it. The old scratch may still be read by enqueued
+    // statistics: they are ordered before everything on the current stream, so waiting
+    // for it makes freeing safe.
+    if (scratch_) {
+      check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize (growing the statistics scratch)");
+      cudaFree(scratch_);
+      accounts_->device -= scratch_bytes_;
+      scratch_ = nullptr;
+      scratch_bytes_ = 0;
+    }
+    reserve(need, "device (statistics scratch)");
+    void* data = nullptr;
+    const cudaError_t e = cudaMalloc(&data, need);
+    if (e != cudaSuccess) allocation_failed(e, "cudaMalloc (statistics scratch)", need, device_);
+    scratch_ = data;
+    scratch_bytes_ = need;
+    accounts_->device += need;
+  }
+  qc::StatsBatch batch;
+  batch.jobs = quant_jobs_;
+  batch.candidates = m.candidates;
+  batch.input = input.data;
+  batch.input_dtype = input.dtype;
+  batch.input_first = input.first;
+  batch.residual = residual;
+  batch.residual_first = residual_first;
+  batch.squared = m.squared;
+  batch.nonfinite = m.nonfinite;
+  batch.weight = m.weight;
+  batch.scratch = scratch_;
+  batch.scratch_bytes = scratch_bytes_;
+  qc::squared_errors(batch, stream_);
+}
+
+// ---------------------------------------------------------------------------------------
+// Marks: timing events from a pool; a handle is an index into it.
+
+CUevent_st* CudaBackend::mark_event(uint64_t mark, const char* what) const {
+  if (mark >= marks_.size() || std::find(free_marks_.begin(), free_marks_.end(), mark) != free_marks_.end())
+    throw std::logic_error(std::string("lgreco: cuda backend ") + what + ": " + std::to_string(mark) +
+                           " is not a mark in use");
+  return marks_[mark];
+}
+
+uint64_t CudaBackend::mark() {
+  DeviceGuard guard(device_);
+  uint64_t handle;
+  if (!free_marks_.empty()) {
+    handle = free_marks_.back();
+  } else {
+    cudaEvent_t e = nullptr;
+    check(cudaEventCreateWithFlags(&e, cudaEventDefault), "cudaEventCreateWithFlags (mark)");
+    try {
+      marks_.push_back(e);
+    } catch (...) {
+      cudaEventDestroy(e);
+      throw;
+    }
+    handle = marks_.size() - 1;
+    free_marks_.push_back(handle);  // taken below, with the pool's other marks
+  }
+  check(cudaEventRecord(marks_[handle], stream_), "cudaEventRecord (mark)");
+  free_marks_.pop_back();
+  return handle;
+}
+
+bool CudaBackend::mark_ready(uint64_t mark) {
+  const cudaError_t e = cudaEventQuery(mark_event(mark, "mark_ready"));
+  if (e == cudaSuccess) return true;
+  if (e == cudaErrorNotReady) return false;
+  cuda_failed(e, "cudaEventQuery (mark)");
+}
+
+void CudaBackend::wait_mark(uint64_t mark) {
+  check(cudaEventSynchronize(mark_event(mark, "wait_mark")), "cudaEventSynchronize (mark)");
+}
+
+double CudaBackend::seconds_between(uint64_t first_mark, uint64_t second_mark) {
+  float ms = 0.0f;
+  check(cudaEventElapsedTime(&ms, mark_event(first_mark, "seconds_between"), mark_event(second_mark, "seconds_between")),
+        "cudaEventElapsedTime");
+  return ms > 0.0f ? static_cast<double>(ms) * 1e-3 : 0.0;
+}
+
+void CudaBackend::release_mark(uint64_t mark) {
+  mark_event(mark, "release_mark");
+  free_marks_.push_back(mark);
+}
+
+// ---------------------------------------------------------------------------------------
+// The runtime
+
+namespace {
+
+class CudaRuntime final : public DeviceRuntime {
+ public:
+  std::string name() const override { return "cuda"; }
+
+  bool capturing(nccl::Stream stream, std::string* error) override {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    const cudaError_t e = cudaStreamIsCapturing(stream, &status);
+    if (e != cudaSuccess) {
+      // E.g. the legacy stream queried while another stream captures in global mode. Not
+      // sticky; cleared so that the framework's next check does not take it for its own.
+      cudaGetLastError();
+      if (error)
+        *error = std::string("cudaStreamIsCapturing failed: ") + cudaGetErrorName(e) + ": " + cudaGetErrorString(e);
+      return true;
+    }
+    return status != cudaStreamCaptureStatusNone;
+  }
+
+  std::unique_ptr<StreamBackend> create_backend(int device, uint64_t memory_cap) override {
+    return CudaBackend::create(device, memory_cap);
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<DeviceRuntime> cuda_runtime() { return std::make_unique<CudaRuntime>(); }
+
+}  // namespace lgreco::shim

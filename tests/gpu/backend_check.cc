@@ -1,0 +1,1113 @@
+// lgreco-gpu-backend-check: the engine's CUDA backend (plugin/shim/cuda_backend.h) on a
+// real GPU, against the CPU backend (plugin/collective/cpu_backend.h), operation by
+// operation.
+//
+//   --check [--quick]  fresh random plans (collective::make_plan over random bucket layouts
+//                      of quant and `none` layers, float32/float16/bfloat16, random bits,
+//                      buckets, roundings and partitions), ElementSpans whose first
+//                      element is not 0, flags with some layers set, NaN/Inf/overflow
+//                      injections and poisoned outputs; every operation's bytes compared
+//                      with the CPU backend's (measure: within the tolerance of
+//                      docs/KERNELS.md). Then set_stream's ordering across two streams,
+//                      the memory cap (std::bad_alloc), read-back events, marks, the
+//                      device guard and the runtime (capturing, create_backend).
+//                      --quick: fewer random plans.
+//
+// One PASS/FAIL line per check, `# failed:` lines, SUMMARY and RESULT lines, and a short
+// table last. Exit status: 0 every check passed, 1 a check failed, 2 usage error or no
+// CUDA device (the reason is printed), 3 the --time-limit ran out. Built only with CUDA
+// (Makefile), run by tests/gpu/run.sh backend; about 10-30 s on an H200 by estimate.
+#include <cuda_runtime.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdarg>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <initializer_list>
+#include <limits>
+#include <map>
+#include <memory>
+#include <new>
+#include <optional>
+#include <random>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kernels/codec_spec.h"
+#include "kernels/dtype.h"
+#include "kernels/quant.h"
+#include "kernels/quant_cuda.h"
+#include "kernels/quant_math.h"
+#include "plugin/collective/cpu_backend.h"
+#include "plugin/collective/layout.h"
+#include "plugin/collective/plan.h"
+#include "plugin/shim/cuda_backend.h"
+#include "tools/cli.h"
+
+namespace lgreco {
+namespace {
+
+using collective::CpuBackend;
+using collective::ElementSpan;
+using collective::NoiseBase;
+using collective::Plan;
+using collective::Segment;
+using shim::CudaBackend;
+
+constexpr char kProgram[] = "lgreco-gpu-backend-check";
+constexpr int kExitFailed = 1;
+constexpr int kExitNoDevice = 2;
+constexpr int kExitTimeLimit = 3;
+
+// The statistics' tolerance, as tests/gpu/quant_cuda_check.cc and docs/KERNELS.md state
+// it: relative to the CPU's value, plus float32's resolution of the statistic (per
+// bucket of a quant candidate: n x unit x (range + max |v|) x 2^-21), plus one 2^-149
+// per element (float32 underflow of a squared rounding error).
+constexpr double kStatsRelTolerance = 1e-4;
+constexpr double kStatsResolution = 0x1p-21;
+
+constexpr uint8_t kPoison = 0xA5;
+
+// ---------------------------------------------------------------------------------------
+// Small helpers
+
+[[gnu::format(printf, 1, 2)]] std::string strf(const char* format, ...) {
+  va_list args;
+  va_start(args, format);
+  va_list again;
+  va_copy(again, args);
+  const int n = vsnprintf(nullptr, 0, format, args);
+  va_end(args);
+  std::string s(n > 0 ? static_cast<size_t>(n) : 0, '\0');
+  if (n > 0) vsnprintf(s.data(), s.size() + 1, format, again);
+  va_end(again);
+  return s;
+}
+
+using ull = unsigned long long;
+using Rng = std::mt19937_64;
+uint64_t below(Rng& rng, uint64_t n) { return n == 0 ? 0 : rng() % n; }
+bool chance(Rng& rng, double p) { return std::uniform_real_distribution<double>(0.0, 1.0)(rng) < p; }
+template <class T>
+T pick(Rng& rng, std::initializer_list<T> items) {
+  return items.begin()[below(rng, items.size())];
+}
+constexpr DType kDTypes[] = {DType::kFloat32, DType::kFloat16, DType::kBFloat16};
+
+class CudaFailure : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+[[noreturn]] void cuda_failed(cudaError_t e, const char* call, int line) {
+  throw CudaFailure(strf("%s failed (backend_check.cc:%d): %s: %s", call, line, cudaGetErrorName(e),
+                         cudaGetErrorString(e)));
+}
+#define CHECK_CUDA(call)                                                        \
+  do {                                                                          \
+    const cudaError_t check_cuda_status_ = (call);                              \
+    if (check_cuda_status_ != cudaSuccess) cuda_failed(check_cuda_status_, #call, __LINE__); \
+  } while (0)
+
+// Device memory of the harness (not the backend's), with blocking copies.
+class Dev {
+ public:
+  Dev() = default;
+  explicit Dev(uint64_t bytes) : bytes_(bytes) { CHECK_CUDA(cudaMalloc(&ptr_, std::max<uint64_t>(bytes, 256))); }
+  ~Dev() {
+    if (ptr_) cudaFree(ptr_);
+  }
+  Dev(const Dev&) = delete;
+  Dev& operator=(const Dev&) = delete;
+  Dev(Dev&& o) noexcept : ptr_(std::exchange(o.ptr_, nullptr)), bytes_(std::exchange(o.bytes_, 0)) {}
+  Dev& operator=(Dev&& o) noexcept {
+    if (this != &o) {
+      if (ptr_) cudaFree(ptr_);
+      ptr_ = std::exchange(o.ptr_, nullptr);
+      bytes_ = std::exchange(o.bytes_, 0);
+    }
+    return *this;
+  }
+  uint8_t* get() const { return static_cast<uint8_t*>(ptr_); }
+  uint64_t size() const { return bytes_; }
+
+ private:
+  void* ptr_ = nullptr;
+  uint64_t bytes_ = 0;
+};
+
+// Host bytes onto the device; waits for the whole device, so that nothing the backend
+// enqueues later on its own (non-blocking) stream can overtake the copy.
+Dev to_device(const std::vector<uint8_t>& host) {
+  Dev d(host.size());
+  if (!host.empty()) CHECK_CUDA(cudaMemcpy(d.get(), host.data(), host.size(), cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaDeviceSynchronize());
+  return d;
+}
+// After everything enqueued anywhere has run.
+std::vector<uint8_t> from_device(const void* d, uint64_t bytes) {
+  CHECK_CUDA(cudaDeviceSynchronize());
+  std::vector<uint8_t> host(bytes);
+  if (bytes) CHECK_CUDA(cudaMemcpy(host.data(), d, bytes, cudaMemcpyDeviceToHost));
+  return host;
+}
+std::vector<uint8_t> from_device(const Dev& d) { return from_device(d.get(), d.size()); }
+
+class Stream {
+ public:
+  Stream() { CHECK_CUDA(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking)); }
+  ~Stream() {
+    if (s_) cudaStreamDestroy(s_);
+  }
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+  cudaStream_t get() const { return s_; }
+
+ private:
+  cudaStream_t s_ = nullptr;
+};
+
+template <class T>
+std::vector<uint8_t> bytes_of(const std::vector<T>& v) {
+  std::vector<uint8_t> b(v.size() * sizeof(T));
+  if (!b.empty()) memcpy(b.data(), v.data(), b.size());
+  return b;
+}
+float f32_at(const std::vector<uint8_t>& b, uint64_t i) {
+  float f;
+  memcpy(&f, b.data() + i * 4, 4);
+  return f;
+}
+bool is_nan32(float f) { return (float_bits(f) & 0x7fffffffu) > 0x7f800000u; }
+
+void on_time_limit(int) {
+  static const char kMessage[] = "lgreco-gpu-backend-check: the --time-limit ran out; exiting with status 3\n";
+  const ssize_t ignored = write(STDERR_FILENO, kMessage, sizeof kMessage - 1);
+  (void)ignored;
+  _exit(kExitTimeLimit);
+}
+
+// ---------------------------------------------------------------------------------------
+// Results: one row per operation or property, cases and failures counted.
+
+class Report {
+ public:
+  struct Row {
+    uint64_t cases = 0;
+    uint64_t failed = 0;
+    uint64_t values = 0;
+    std::string note;
+  };
+  void pass(const std::string& row, uint64_t values = 0) {
+    Row& r = row_(row);
+    ++r.cases;
+    r.values += values;
+  }
+  void fail(const std::string& row, const std::string& what) {
+    Row& r = row_(row);
+    ++r.cases;
+    ++r.failed;
+    printf("FAIL %s: %s\n", row.c_str(), what.c_str());
+    if (failures_.size() < 20) failures_.push_back(row + ": " + what);
+  }
+  void check(bool ok, const std::string& row, const std::string& what) {
+    if (ok)
+      pass(row);
+    else
+      fail(row, what);
+  }
+  void note(const std::string& row, const std::string& text) {
+    Row& r = row_(row);
+    if (r.note.find(text) == std::string::npos) r.note += (r.note.empty() ? "" : "; ") + text;
+  }
+  uint64_t cases() const {
+    uint64_t n = 0;
+    for (const auto& [name, r] : rows_) n += r.cases;
+    return n;
+  }
+  uint64_t failed() const {
+    uint64_t n = 0;
+    for (const auto& [name, r] : rows_) n += r.failed;
+    return n;
+  }
+  const std::vector<std::string>& failures() const { return failures_; }
+  const std::vector<std::pair<std::string, Row>>& rows() const { return rows_; }
+
+ private:
+  Row& row_(const std::string& name) {
+    for (auto& [n, r] : rows_)
+      if (n == name) return r;
+    rows_.emplace_back(name, Row{});
+    return rows_.back().second;
+  }
+  std::vector<std::pair<std::string, Row>> rows_;  // in first-use order
+  std::vector<std::string> failures_;
+};
+
+// Byte-for-byte comparison of what the CPU and the GPU left in one array. For float32
+// accumulators, `nan_ok(i)` may excuse element i when both sides hold a NaN whose bits
+// the C++ reference does not define (two NaN addends: x86 keeps the one g++ put first).
+struct Compared {
+  uint64_t differing = 0;
+  uint64_t excused = 0;
+  std::string first;
+};
+Compared compare(const std::vector<uint8_t>& cpu, const std::vector<uint8_t>& gpu, size_t width,
+                 const std::function<bool(uint64_t)>& nan_ok = nullptr) {
+  Compared c;
+  if (cpu.size() != gpu.size()) {
+    c.differing = 1;
+    c.first = strf("sizes differ: %zu vs %zu bytes", cpu.size(), gpu.size());
+    return c;
+  }
+  const uint64_t n = cpu.size() / width;
+  for (uint64_t i = 0; i < n; ++i) {
+    if (memcmp(cpu.data() + i * width, gpu.data() + i * width, width) == 0) continue;
+    if (width == 4 && nan_ok && is_nan32(f32_at(cpu, i)) && is_nan32(f32_at(gpu, i)) && nan_ok(i)) {
+      ++c.excused;
+      continue;
+    }
+    if (c.differing++ == 0) {
+      uint64_t a = 0, b = 0;
+      memcpy(&a, cpu.data() + i * width, width);
+      memcpy(&b, gpu.data() + i * width, width);
+      c.first = strf("element %llu: cpu 0x%0*llx, gpu 0x%0*llx", static_cast<ull>(i), static_cast<int>(2 * width),
+                     static_cast<ull>(a), static_cast<int>(2 * width), static_cast<ull>(b));
+    }
+  }
+  return c;
+}
+
+// ---------------------------------------------------------------------------------------
+// Random plans and data
+
+struct Trial {
+  std::string name;
+  collective::BucketLayout layout;
+  std::vector<CodecSpec> layer_codecs;
+  std::vector<CodecSpec> candidates;  // every layer's candidates (measure needs one list)
+  Plan plan;
+  uint32_t partition = 0;
+  std::vector<Segment> segments;  // those of `partition`
+  uint64_t lo = 0, hi = 0;        // elements the segments cover
+  std::vector<float> layer_scale;
+  std::vector<uint8_t> layer_injects;  // 1: NaN/Inf in this layer's data, 2: values near the 16-bit limits
+};
+
+CodecSpec random_quant(Rng& rng) {
+  QuantParams p;
+  p.bits = static_cast<int>(1 + below(rng, 8));
+  p.bucket = pick<uint32_t>(rng, {32, 64, 96, 128, 256, 512, 1024, 1024, 1024, 2048, 4096});
+  p.rounding = chance(rng, 0.7) ? Rounding::kStochastic : Rounding::kNearest;
+  return CodecSpec::quant(p);
+}
+
+Trial random_trial(Rng& rng, bool quick, int index) {
+  Trial t;
+  t.layout.dtype = kDTypes[below(rng, 3)];
+  // One candidate list for every layer: none and/or a few quant specs.
+  const size_t n_quant = below(rng, 5);
+  if (n_quant == 0 || chance(rng, 0.6)) t.candidates.push_back(CodecSpec::none());
+  for (size_t k = 0; k < n_quant; ++k) t.candidates.push_back(random_quant(rng));
+  std::shuffle(t.candidates.begin(), t.candidates.end(), rng);
+  const uint32_t layers = static_cast<uint32_t>(1 + below(rng, quick ? 6 : 14));
+  uint64_t offset = 0;
+  for (uint32_t l = 0; l < layers; ++l) {
+    collective::LayerLayout layer;
+    layer.name = "layer" + std::to_string(l);
+    const int size_class = static_cast<int>(below(rng, 10));
+    layer.numel = size_class < 4   ? 1 + below(rng, 3000)
+                  : size_class < 9 ? 1 + below(rng, 120000)
+                                   : 200000 + below(rng, 300000);
+    layer.offset = offset;
+    offset += layer.numel;
+    layer.candidates = t.candidates;
+    t.layout.layers.push_back(layer);
+    t.layer_codecs.push_back(chance(rng, 0.5) ? t.candidates[below(rng, t.candidates.size())]
+                             : chance(rng, 0.3) ? CodecSpec::none()
+                                                : random_quant(rng));
+    t.layer_scale.push_back(pick<float>(rng, {1e-3f, 1.0f, 1.0f, 30.0f, 1e4f}));
+    t.layer_injects.push_back(chance(rng, 0.25) ? 1 : chance(rng, 0.15) ? 2 : 0);
+  }
+  t.layout.count = offset;
+  collective::validate(t.layout, 0);
+  const uint32_t parts = static_cast<uint32_t>(1 + below(rng, 5));
+  t.plan = collective::make_plan(t.layout, t.layer_codecs, parts);
+  // A partition with segments (the call has at least one element, so one has).
+  std::vector<uint32_t> nonempty;
+  for (uint32_t p = 0; p < t.plan.partitions.size(); ++p)
+    if (t.plan.partitions[p].segment_count > 0) nonempty.push_back(p);
+  t.partition = nonempty[below(rng, nonempty.size())];
+  const auto segs = t.plan.segments_of(t.plan.partitions[t.partition]);
+  t.segments.assign(segs.begin(), segs.end());
+  t.lo = t.segments.front().offset;
+  t.hi = t.segments.back().offset + t.segments.back().count;
+  std::string codecs;
+  for (size_t l = 0; l < layers && l < 4; ++l) codecs += (l ? " " : "") + t.layer_codecs[l].str();
+  if (layers > 4) codecs += " ...";
+  t.name = strf("plan %d: %s, %u layers, %llu elements, partition %u of %u (%zu segments) [%s]", index,
+                dtype_name(t.layout.dtype), layers, static_cast<ull>(t.layout.count), t.partition, parts,
+                t.segments.size(), codecs.c_str());
+  return t;
+}
+
+uint32_t layer_of(const Trial& t, uint64_t element) {
+  const auto& layers = t.layout.layers;
+  uint32_t lo = 0, hi = static_cast<uint32_t>(layers.size());
+  while (hi - lo > 1) {
+    const uint32_t mid = (lo + hi) / 2;
+    if (layers[mid].offset <= element)
+      lo = mid;
+    else
+      hi = mid;
+  }
+  return lo;
+}
+
+// An array holding call elements [first, first + count): `first` at or before t.lo,
+// mostly not 0, with a few elements of slack past t.hi.
+struct Span {
+  uint64_t first = 0;
+  uint64_t count = 0;
+  DType dtype = DType::kFloat32;
+  std::vector<uint8_t> host;
+};
+Span random_span(Rng& rng, const Trial& t, DType dtype) {
+  Span s;
+  s.dtype = dtype;
+  s.first = t.lo - below(rng, std::min<uint64_t>(t.lo, 40) + 1);
+  s.count = t.hi - s.first + below(rng, 40);
+  s.host.assign(s.count * dtype_size(dtype), kPoison);
+  return s;
+}
+
+uint32_t nan_bits(Rng& rng, DType t) {
+  switch (t) {
+    case DType::kFloat16: return pick<uint32_t>(rng, {0x7e00, 0x7c01, 0xfe00, 0x7d23, 0x7c00, 0xfc00});
+    case DType::kBFloat16: return pick<uint32_t>(rng, {0x7fc0, 0x7f81, 0xffc0, 0x7fa3, 0x7f80, 0xff80});
+    default:
+      return pick<uint32_t>(rng, {0x7fc00000u, 0xffc00000u, 0x7f800001u, 0x7fa00123u, 0xff812345u, 0x7fffffffu,
+                                  0x7f800000u, 0xff800000u});
+  }
+}
+void put_bits(Span& s, uint64_t i, uint32_t bits) {
+  if (dtype_size(s.dtype) == 4)
+    memcpy(s.host.data() + i * 4, &bits, 4);
+  else {
+    const uint16_t h = static_cast<uint16_t>(bits);
+    memcpy(s.host.data() + i * 2, &h, 2);
+  }
+}
+
+// Gradient-like values (each layer's scale, some heavy tails), and per the layer's
+// injection kind NaN/Inf (any payload, signaling ones too) or values near the 16-bit
+// types' limits (whose sums with a residual overflow).
+void fill_values(Rng& rng, const Trial& t, Span& s, bool injections) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (uint64_t i = 0; i < s.count; ++i) {
+    const uint64_t e = s.first + i;
+    const uint32_t l = layer_of(t, std::min<uint64_t>(e, t.layout.count - 1));
+    float v = normal(rng) * t.layer_scale[l];
+    if (chance(rng, 0.01)) v *= 40.0f;
+    if (chance(rng, 0.002)) v = 0.0f;
+    store_from_float(s.host.data(), s.dtype, i, v);
+    if (!injections) continue;
+    if (t.layer_injects[l] == 1 && chance(rng, 0.003)) put_bits(s, i, nan_bits(rng, s.dtype));
+    if (t.layer_injects[l] == 2 && chance(rng, 0.05)) {
+      const float big = pick<float>(rng, {65504.0f, 65519.0f, 65520.0f, -65504.0f, 70000.0f, 3.3e38f, -3.39e38f,
+                                          1e38f, 6.0e-8f, 3.0e-39f});
+      store_from_float(s.host.data(), s.dtype, i, big);
+    }
+  }
+}
+
+// A float32 residual: small, finite (the engine never lets a residual become
+// non-finite), sometimes large enough to push values near 65504 over the float16 limit.
+Span random_residual(Rng& rng, const Trial& t) {
+  Span s = random_span(rng, t, DType::kFloat32);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (uint64_t i = 0; i < s.count; ++i) {
+    const uint32_t l = layer_of(t, std::min<uint64_t>(s.first + i, t.layout.count - 1));
+    float v = 0.05f * normal(rng) * t.layer_scale[l];
+    if (t.layer_injects[l] == 2 && chance(rng, 0.05)) v = pick<float>(rng, {20.0f, 40.0f, -40.0f, 1e3f});
+    store_from_float(s.host.data(), DType::kFloat32, i, v);
+  }
+  return s;
+}
+
+// Accumulators: float32 values, a few NaN (canonical and others) and infinities when the
+// trial injects them.
+Span random_acc(Rng& rng, const Trial& t, bool injections) {
+  Span s = random_span(rng, t, DType::kFloat32);
+  fill_values(rng, t, s, false);
+  if (injections)
+    for (uint64_t i = 0; i < s.count; ++i)
+      if (chance(rng, 0.001)) put_bits(s, i, nan_bits(rng, DType::kFloat32));
+  return s;
+}
+
+std::vector<uint8_t> random_flags(Rng& rng, const Trial& t) {
+  std::vector<uint8_t> f(t.layout.layers.size());
+  for (uint32_t l = 0; l < f.size(); ++l) f[l] = chance(rng, 0.3) ? pick<uint8_t>(rng, {1, 2, 255}) : 0;
+  return f;
+}
+
+ElementSpan cpu_span(Span& s) { return ElementSpan{s.host.data(), s.dtype, s.first}; }
+ElementSpan gpu_span(const Span& s, const Dev& d) { return ElementSpan{d.get(), s.dtype, s.first}; }
+float* f32(const Dev& d) { return reinterpret_cast<float*>(d.get()); }
+
+// Payload bytes the segments need from their base (their offsets are within the partition).
+uint64_t payload_bytes(const Trial& t) {
+  uint64_t end = 0;
+  for (const Segment& s : t.segments) end = std::max(end, s.byte_offset + s.bytes);
+  return end;
+}
+
+// ---------------------------------------------------------------------------------------
+// The operations on random plans
+
+struct Ctx {
+  Report& r;
+  CpuBackend& cpu;
+  CudaBackend& gpu;
+  Rng& rng;
+  cudaStream_t stream;
+};
+
+void expect_same(Ctx& c, const std::string& row, const std::string& what, const std::vector<uint8_t>& cpu,
+                 const std::vector<uint8_t>& gpu, size_t width, const std::function<bool(uint64_t)>& nan_ok = nullptr) {
+  const Compared k = compare(cpu, gpu, width, nan_ok);
+  if (k.excused) c.r.note(row, "NaN addends on both sides: payload of the first kept");
+  if (k.differing)
+    c.r.fail(row, strf("%s: %llu of %zu elements differ, first %s", what.c_str(), static_cast<ull>(k.differing),
+                       cpu.size() / width, k.first.c_str()));
+  else
+    c.r.pass(row, cpu.size() / width);
+}
+
+void check_find_nonfinite(Ctx& c, const Trial& t) {
+  DType dtype = t.layout.dtype;
+  if (dtype != DType::kFloat32 && chance(c.rng, 0.3)) dtype = DType::kFloat32;  // a reduced sum
+  Span in = random_span(c.rng, t, dtype);
+  fill_values(c.rng, t, in, true);
+  std::vector<uint8_t> flags(t.layout.layers.size(), kPoison);
+  Dev d_in = to_device(in.host), d_flags = to_device(flags);
+  c.cpu.find_nonfinite(t.plan, t.segments, cpu_span(in), flags.data());
+  c.gpu.find_nonfinite(t.plan, t.segments, gpu_span(in, d_in), d_flags.get());
+  expect_same(c, "find_nonfinite", t.name + " flags", flags, from_device(d_flags.get(), flags.size()), 1);
+}
+
+// Encode, then decode and decode-accumulate the CPU's payload (the same as the GPU's
+// when encode passed; decoding the CPU's keeps the checks apart).
+void check_codec(Ctx& c, const Trial& t) {
+  const bool reduced = t.layout.dtype != DType::kFloat32 && chance(c.rng, 0.35);
+  Span in = random_span(c.rng, t, reduced ? DType::kFloat32 : t.layout.dtype);
+  fill_values(c.rng, t, in, true);
+  const bool with_residual = chance(c.rng, 0.75);
+  Span res = random_residual(c.rng, t);
+  std::vector<uint8_t> flags = random_flags(c.rng, t);
+  const bool with_flags = chance(c.rng, 0.7);
+  const NoiseBase noise{c.rng(), static_cast<uint32_t>(chance(c.rng, 0.3) ? NoiseBase::kReencodeRankBit | below(c.rng, 8)
+                                                                           : below(c.rng, 8)),
+                        c.rng(), static_cast<uint32_t>(below(c.rng, 1000))};
+  const uint64_t base = 4 * below(c.rng, 17);
+  std::vector<uint8_t> payload(base + payload_bytes(t) + 12, kPoison);
+
+  Dev d_in = to_device(in.host), d_res = to_device(res.host), d_flags = to_device(flags), d_payload = to_device(payload);
+  const std::string what = strf("%s; input %s, %s, %s", t.name.c_str(), dtype_name(in.dtype),
+                                with_residual ? "residual" : "no residual", with_flags ? "flags" : "no flags");
+  c.cpu.encode(t.plan, t.segments, cpu_span(in), with_residual ? reinterpret_cast<float*>(res.host.data()) : nullptr,
+               res.first, with_flags ? flags.data() : nullptr, noise, payload.data(), base);
+  c.gpu.encode(t.plan, t.segments, gpu_span(in, d_in), with_residual ? f32(d_res) : nullptr, res.first,
+               with_flags ? d_flags.get() : nullptr, noise, d_payload.get(), base);
+  expect_same(c, "encode payload", what, payload, from_device(d_payload), 1);
+  expect_same(c, "encode residual", what, res.host, from_device(d_res), 4);
+
+  // decode into any element type, poisoned around and between the segments.
+  const DType out_dtype = kDTypes[below(c.rng, 3)];
+  Span out = random_span(c.rng, t, out_dtype);
+  Dev d_pay = to_device(payload), d_out = to_device(out.host);
+  c.cpu.decode(t.plan, t.segments, payload.data(), base, cpu_span(out));
+  c.gpu.decode(t.plan, t.segments, d_pay.get(), base, gpu_span(out, d_out));
+  expect_same(c, "decode", strf("%s; output %s", t.name.c_str(), dtype_name(out_dtype)), out.host, from_device(d_out),
+              dtype_size(out_dtype));
+
+  // decode_accumulate into float32 accumulators that may hold NaN already.
+  Span acc = random_acc(c.rng, t, true);
+  const std::vector<uint8_t> before = acc.host;
+  Dev d_acc = to_device(acc.host);
+  c.cpu.decode_accumulate(t.plan, t.segments, payload.data(), base, cpu_span(acc));
+  c.gpu.decode_accumulate(t.plan, t.segments, d_pay.get(), base, gpu_span(acc, d_acc));
+  expect_same(c, "decode_accumulate", t.name, acc.host, from_device(d_acc), 4,
+              [&](uint64_t i) { return is_nan32(f32_at(before, i)); });
+}
+
+void check_accumulate_exact(Ctx& c, const Trial& t) {
+  const bool reduced = t.layout.dtype != DType::kFloat32 && chance(c.rng, 0.3);
+  Span in = random_span(c.rng, t, reduced ? DType::kFloat32 : t.layout.dtype);
+  fill_values(c.rng, t, in, true);
+  const bool with_residual = chance(c.rng, 0.75);
+  Span res = random_residual(c.rng, t);
+  std::vector<uint8_t> flags = random_flags(c.rng, t);
+  const bool with_flags = chance(c.rng, 0.7);
+  Span acc = random_acc(c.rng, t, true);
+  const std::vector<uint8_t> before = acc.host;
+  Dev d_in = to_device(in.host), d_res = to_device(res.host), d_flags = to_device(flags), d_acc = to_device(acc.host);
+  c.cpu.accumulate_exact(t.plan, t.segments, cpu_span(in),
+                         with_residual ? reinterpret_cast<float*>(res.host.data()) : nullptr, res.first,
+                         with_flags ? flags.data() : nullptr, cpu_span(acc));
+  c.gpu.accumulate_exact(t.plan, t.segments, gpu_span(in, d_in), with_residual ? f32(d_res) : nullptr, res.first,
+                         with_flags ? d_flags.get() : nullptr, gpu_span(acc, d_acc));
+  const std::string what = strf("%s; input %s, %s, %s", t.name.c_str(), dtype_name(in.dtype),
+                                with_residual ? "residual" : "no residual", with_flags ? "flags" : "no flags");
+  expect_same(c, "accumulate_exact", what + " (sums)", acc.host, from_device(d_acc), 4,
+              [&](uint64_t i) { return is_nan32(f32_at(before, i)); });
+  expect_same(c, "accumulate_exact", what + " (residual)", res.host, from_device(d_res), 4);
+}
+
+// The statistics: rows of unmeasured layers exactly as they were, nonfinite bytes exactly,
+// measured rows within the tolerance.
+void check_measure(Ctx& c, const Trial& t) {
+  const bool reduced = t.layout.dtype != DType::kFloat32 && chance(c.rng, 0.3);
+  Span in = random_span(c.rng, t, reduced ? DType::kFloat32 : t.layout.dtype);
+  fill_values(c.rng, t, in, chance(c.rng, 0.5));
+  const bool with_residual = chance(c.rng, 0.7);
+  Span res = random_residual(c.rng, t);
+  const size_t layers = t.layout.layers.size(), nc = t.candidates.size();
+  std::vector<uint8_t> measured(layers);
+  for (auto& m : measured) m = chance(c.rng, 0.75);
+  std::vector<double> squared(layers * nc);
+  for (auto& v : squared) v = std::uniform_real_distribution<double>(0.0, 2.0)(c.rng);
+  std::vector<uint8_t> nonfinite(layers);
+  for (auto& v : nonfinite) v = chance(c.rng, 0.1);
+  const double weight = pick<double>(c.rng, {1.0, 1.0, 1.0 / 16, 0.37});
+  const std::vector<double> squared_before = squared;
+
+  Dev d_in = to_device(in.host), d_res = to_device(res.host), d_sq = to_device(bytes_of(squared)),
+      d_nf = to_device(nonfinite);
+  collective::Backend::Measure m_cpu{t.candidates, measured, squared.data(), nonfinite.data(), weight};
+  collective::Backend::Measure m_gpu{t.candidates, measured, reinterpret_cast<double*>(d_sq.get()), d_nf.get(), weight};
+  c.cpu.measure(t.plan, t.segments, cpu_span(in), with_residual ? reinterpret_cast<const float*>(res.host.data()) : nullptr,
+                res.first, m_cpu);
+  c.gpu.measure(t.plan, t.segments, gpu_span(in, d_in), with_residual ? f32(d_res) : nullptr, res.first, m_gpu);
+  const std::vector<uint8_t> got_sq_bytes = from_device(d_sq), got_nf = from_device(d_nf);
+  std::vector<double> got(layers * nc);
+  memcpy(got.data(), got_sq_bytes.data(), got.size() * sizeof(double));
+
+  // The allowance per layer and candidate (docs/KERNELS.md, "Tolerance against the CPU").
+  std::vector<double> slack(layers * nc, 0.0);
+  for (const Segment& s : t.segments) {
+    if (!measured[s.layer]) continue;
+    std::vector<float> v(s.count);
+    for (uint64_t i = 0; i < s.count; ++i) {
+      const float x = load_as_float(in.host.data(), in.dtype, s.offset - in.first + i);
+      v[i] = with_residual ? x + f32_at(res.host, s.offset - res.first + i) : x;
+    }
+    for (size_t k = 0; k < nc; ++k) {
+      double sum = static_cast<double>(s.count) * 0x1p-149;
+      if (t.candidates[k].family() == CodecFamily::kQuant) {
+        const QuantParams& p = t.candidates[k].quant_params();
+        const double top = static_cast<double>(quant::max_code(p.bits));
+        for (uint64_t b = 0; b < s.count; b += p.bucket) {
+          const uint64_t n = std::min<uint64_t>(p.bucket, s.count - b);
+          double lo = INFINITY, hi = -INFINITY;
+          bool finite = true;
+          for (uint64_t i = b; i < b + n; ++i) {
+            finite = finite && quant::is_finite_value(v[i]);
+            lo = std::min(lo, static_cast<double>(v[i]));
+            hi = std::max(hi, static_cast<double>(v[i]));
+          }
+          if (!finite) continue;
+          const double range = hi - lo;
+          sum += static_cast<double>(n) * (range / top) * (range + std::max(std::fabs(lo), std::fabs(hi))) *
+                 kStatsResolution;
+        }
+      }
+      slack[s.layer * nc + k] += weight * sum;
+    }
+  }
+  uint64_t bad = 0;
+  std::string first;
+  for (size_t l = 0; l < layers; ++l) {
+    for (size_t k = 0; k < nc; ++k) {
+      const size_t i = l * nc + k;
+      const double want = squared[i], have = got[i];
+      bool ok;
+      if (!measured[l] || std::isinf(want) || std::isnan(want)) {
+        ok = memcmp(&want, &have, sizeof want) == 0 || (std::isnan(want) && std::isnan(have));
+      } else {
+        const double added_cpu = want - squared_before[i];
+        ok = std::isfinite(have) && std::fabs(have - want) <= kStatsRelTolerance * std::fabs(added_cpu) + slack[i] +
+                                                                  1e-15 * std::fabs(squared_before[i]);
+      }
+      if (!ok && bad++ == 0)
+        first = strf("layer %zu candidate %s: cpu %.9g, gpu %.9g (allowed %.3g)", l, t.candidates[k].str().c_str(), want,
+                     have, kStatsRelTolerance * std::fabs(want - squared_before[i]) + slack[i]);
+    }
+  }
+  const std::string what = strf("%s; input %s, %s, weight %g", t.name.c_str(), dtype_name(in.dtype),
+                                with_residual ? "residual" : "no residual", weight);
+  if (bad)
+    c.r.fail("measure", strf("%s: %llu of %zu values out of tolerance, first %s", what.c_str(), static_cast<ull>(bad),
+                             got.size(), first.c_str()));
+  else
+    c.r.pass("measure", got.size());
+  expect_same(c, "measure nonfinite", what, nonfinite, got_nf, 1);
+}
+
+// divide and narrow over flat arrays, starting at an odd element (no 16-byte alignment).
+std::vector<uint8_t> flat_values(Rng& rng, uint64_t n) {
+  std::vector<uint8_t> b(n * 4);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (uint64_t i = 0; i < n; ++i) {
+    float v = normal(rng) * pick<float>(rng, {1e-6f, 1.0f, 1e3f, 6e4f});
+    uint32_t bits = float_bits(v);
+    const int kind = static_cast<int>(below(rng, 1000));
+    if (kind < 4) bits = pick<uint32_t>(rng, {0x7fc00000u, 0xffc00000u, 0x7f800001u, 0x7fa00123u, 0xff812345u});
+    else if (kind < 8) bits = pick<uint32_t>(rng, {0x7f800000u, 0xff800000u, 0x00000000u, 0x80000000u});
+    else if (kind < 20) bits = pick<uint32_t>(rng, {0x477fefffu, 0x477ff000u, 0x33000000u, 0x33000001u, 0x00000001u,
+                                                     0x7f7fffffu, 0x7f7f8000u, 0x387fc000u, 0x3f808000u, 0x3f818000u});
+    else if (kind < 30) bits = static_cast<uint32_t>(rng());  // anything at all
+    memcpy(b.data() + i * 4, &bits, 4);
+  }
+  return b;
+}
+
+void check_divide(Ctx& c) {
+  const uint64_t n = 1 + below(c.rng, 300000), skip = below(c.rng, 3);
+  std::vector<uint8_t> acc = flat_values(c.rng, n + skip);
+  const float divisor = pick<float>(c.rng, {1.0f, 2.0f, 3.0f, 4.0f, 7.0f, 8.0f, 0.1f, 3e-39f, 0.0f, -5.0f});
+  Dev d = to_device(acc);
+  c.cpu.divide(reinterpret_cast<float*>(acc.data()) + skip, n, divisor);
+  c.gpu.divide(f32(d) + skip, n, divisor);
+  expect_same(c, "divide", strf("%llu values / %g", static_cast<ull>(n), divisor), acc, from_device(d), 4);
+}
+
+void check_narrow(Ctx& c) {
+  const uint64_t n = 1 + below(c.rng, 300000), skip = below(c.rng, 3);
+  const DType dtype = kDTypes[below(c.rng, 3)];
+  std::vector<uint8_t> acc = flat_values(c.rng, n + skip);
+  std::vector<uint8_t> out((n + 9) * dtype_size(dtype), kPoison);
+  Dev d_acc = to_device(acc), d_out = to_device(out);
+  c.cpu.narrow(reinterpret_cast<const float*>(acc.data()) + skip, n,
+               ElementSpan{out.data() + dtype_size(dtype), dtype, 12345});
+  c.gpu.narrow(f32(d_acc) + skip, n, ElementSpan{d_out.get() + dtype_size(dtype), dtype, 12345});
+  expect_same(c, "narrow", strf("%llu values to %s", static_cast<ull>(n), dtype_name(dtype)), out, from_device(d_out),
+              dtype_size(dtype));
+}
+
+// allocate (zero-filled), fill_zero, copy, upload and read_back (pinned and pageable).
+void check_memory_ops(Ctx& c) {
+  const uint64_t bytes = 64 + below(c.rng, 1 << 20);
+  std::vector<uint8_t> data(bytes);
+  for (auto& b : data) b = static_cast<uint8_t>(c.rng());
+  {
+    // A freed buffer poisoned, then a new one of the same size (often the same memory).
+    auto first = c.gpu.allocate(bytes);
+    CHECK_CUDA(cudaMemset(first->data(), 0xff, bytes));
+    CHECK_CUDA(cudaDeviceSynchronize());
+  }
+  auto buf = c.gpu.allocate(bytes);
+  auto pinned = c.gpu.allocate_host(bytes);
+  c.r.check(std::all_of(static_cast<uint8_t*>(pinned->data()), static_cast<uint8_t*>(pinned->data()) + bytes,
+                        [](uint8_t b) { return b == 0; }),
+            "allocate", "allocate_host's memory is not zero");
+  const std::vector<uint8_t> zero = from_device(buf->data(), bytes);
+  c.r.check(std::all_of(zero.begin(), zero.end(), [](uint8_t b) { return b == 0; }), "allocate",
+            strf("allocate(%llu)'s memory is not zero", static_cast<ull>(bytes)));
+  c.r.check(buf->bytes() == bytes && pinned->bytes() == bytes, "allocate", "Buffer::bytes() is not the size asked for");
+
+  // The CPU's view of the same sequence: an upload into the first half, a zeroed range
+  // anywhere, a copy from the first half into the second (never overlapping).
+  std::vector<uint8_t> want(bytes, 0);
+  const uint64_t half = bytes / 2;
+  const uint64_t a = below(c.rng, half / 2), len = 1 + below(c.rng, half / 2);
+  const uint64_t z = below(c.rng, bytes), zlen = below(c.rng, bytes - z + 1);
+  const uint64_t dst = half + below(c.rng, bytes - half - len + 1);
+  c.cpu.upload(want.data() + a, data.data(), len);
+  c.cpu.fill_zero(want.data() + z, zlen);
+  c.cpu.copy(want.data() + dst, want.data() + a, len);
+  auto* d = static_cast<uint8_t*>(buf->data());
+  c.gpu.upload(d + a, data.data(), len);
+  c.gpu.fill_zero(d + z, zlen);
+  c.gpu.copy(d + dst, d + a, len);
+  auto event = c.gpu.read_back(pinned->data(), d, bytes);
+  event->wait();
+  c.r.check(event->ready(), "read_back", "ready() is false after wait()");
+  expect_same(c, "upload/fill_zero/copy", strf("%llu bytes", static_cast<ull>(bytes)), want,
+              std::vector<uint8_t>(static_cast<uint8_t*>(pinned->data()), static_cast<uint8_t*>(pinned->data()) + bytes),
+              1);
+  std::vector<uint8_t> pageable(bytes, kPoison);
+  auto event2 = c.gpu.read_back(pageable.data(), d, bytes);
+  event2->wait();
+  expect_same(c, "read_back", "into pageable memory", want, pageable, 1);
+}
+
+// ---------------------------------------------------------------------------------------
+// Streams, events, marks, the cap, the device guard, the runtime
+
+// 2^20 in every element, halved `passes` times on the current stream: exact, so the
+// expected value is known, and slow enough (a 256 MB array) that a read on another
+// stream that did not wait would see a partial result.
+constexpr uint64_t kBig = uint64_t{1} << 26;
+constexpr int kPasses = 48;
+
+bool all_equal(const float* v, uint64_t n, float want) {
+  for (uint64_t i = 0; i < n; ++i)
+    if (float_bits(v[i]) != float_bits(want)) return false;
+  return true;
+}
+
+void check_streams_events_marks(Report& r, CudaBackend& gpu, int device) {
+  Stream a, b;
+  std::vector<float> init(kBig, 0x1p20f);
+  Dev d(kBig * 4);
+  CHECK_CUDA(cudaMemcpy(d.get(), init.data(), kBig * 4, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaDeviceSynchronize());
+  init.clear();
+  init.shrink_to_fit();
+  const uint64_t tail = uint64_t{1} << 20;  // the last 4 MB, written by the last blocks
+  auto pinned = gpu.allocate_host(tail * 4);
+  float* host = static_cast<float*>(pinned->data());
+  float* acc = f32(d);
+
+  // A then B: B's read-back must see every division enqueued on A.
+  gpu.set_stream(a.get());
+  const uint64_t m1 = gpu.mark();
+  for (int k = 0; k < kPasses; ++k) gpu.divide(acc, kBig, 2.0f);
+  const uint64_t m2 = gpu.mark();
+  const bool m2_early = gpu.mark_ready(m2);
+  gpu.set_stream(b.get());
+  auto event = gpu.read_back(host, acc + kBig - tail, tail * 4);
+  const bool early = event->ready();
+  event->wait();
+  r.check(event->ready(), "read_back event", "ready() is false after wait()");
+  r.check(all_equal(host, tail, std::ldexp(1.0f, 20 - kPasses)), "set_stream ordering",
+          strf("a read-back on stream B after set_stream(B) saw %.9g, not 2^%d: B did not wait for A", host[0],
+               20 - kPasses));
+  r.note("read_back event", early ? "ready before wait (the copy was fast)" : "not ready before wait, as expected");
+
+  // B then A again: work enqueued on B comes before A's read-back.
+  for (int k = 0; k < 8; ++k) gpu.divide(acc, kBig, 2.0f);
+  gpu.set_stream(a.get());
+  gpu.set_stream(a.get());  // the same stream again: nothing to do
+  auto event2 = gpu.read_back(host, acc + kBig - tail, tail * 4);
+  event2->wait();
+  r.check(all_equal(host, tail, std::ldexp(1.0f, 20 - kPasses - 8)), "set_stream ordering",
+          strf("a read-back on stream A after B's divisions saw %.9g, not 2^%d", host[0], 20 - kPasses - 8));
+
+  // Marks: m1..m2 spans the divisions on A.
+  gpu.wait_mark(m2);
+  r.check(gpu.mark_ready(m1) && gpu.mark_ready(m2), "marks", "mark_ready is false after wait_mark");
+  const double seconds = gpu.seconds_between(m1, m2);
+  r.check(seconds > 0.0 && seconds < 30.0, "marks",
+          strf("seconds_between over %d divisions of 256 MB is %.6g s", kPasses, seconds));
+  r.note("marks", strf("%d divisions of 256 MB: %.2f ms (%.0f GB/s); mark ready at once: %s", kPasses, seconds * 1e3,
+                       kPasses * 2.0 * kBig * 4 / seconds * 1e-9, m2_early ? "yes" : "no"));
+  gpu.release_mark(m1);
+  gpu.release_mark(m2);
+  const uint64_t m3 = gpu.mark();
+  r.check(m3 == m1 || m3 == m2, "marks", "a released mark was not reused");
+  gpu.wait_mark(m3);
+  gpu.release_mark(m3);
+  bool threw = false;
+  try {
+    gpu.release_mark(m3);
+  } catch (const std::logic_error&) {
+    threw = true;
+  }
+  r.check(threw, "marks", "releasing a mark twice did not throw std::logic_error");
+
+  // An Event dropped before its copy completes (returns to the pool) and the backend's
+  // device stays the caller's current one.
+  for (int k = 0; k < 4; ++k) gpu.divide(acc, kBig, 2.0f);
+  { auto dropped = gpu.read_back(host, acc, 4); }
+  auto last = gpu.read_back(host, acc, 4);
+  last->wait();
+  int current = -1;
+  CHECK_CUDA(cudaGetDevice(&current));
+  r.check(current == device, "device guard", strf("the current device is %d after the backend's calls, not %d", current,
+                                                  device));
+  gpu.set_stream(nullptr);
+  CHECK_CUDA(cudaDeviceSynchronize());
+}
+
+void check_cap(Report& r, int device) {
+  constexpr uint64_t kCap = 1 << 20;
+  auto gpu = CudaBackend::create(device, kCap);
+  auto d1 = gpu->allocate(600 << 10);
+  auto h1 = gpu->allocate_host(300 << 10);
+  r.check(gpu->device_bytes() == (600 << 10) && gpu->host_bytes() == (300 << 10), "memory cap",
+          strf("device_bytes %llu, host_bytes %llu after 600 KiB + 300 KiB", static_cast<ull>(gpu->device_bytes()),
+               static_cast<ull>(gpu->host_bytes())));
+  const auto throws_bad_alloc = [](const std::function<void()>& f) {
+    try {
+      f();
+    } catch (const std::bad_alloc&) {
+      return true;
+    }
+    return false;
+  };
+  r.check(throws_bad_alloc([&] { gpu->allocate(200 << 10); }), "memory cap",
+          "allocate past the cap did not throw std::bad_alloc");
+  r.check(throws_bad_alloc([&] { gpu->allocate_host(200 << 10); }), "memory cap",
+          "allocate_host past the cap did not throw std::bad_alloc");
+  r.check(gpu->device_bytes() == (600 << 10) && gpu->host_bytes() == (300 << 10), "memory cap",
+          "a refused allocation changed the counts");
+  d1.reset();
+  r.check(gpu->device_bytes() == 0, "memory cap", "a freed buffer is still counted");
+  std::unique_ptr<collective::Backend::Buffer> d2;
+  try {
+    d2 = gpu->allocate(600 << 10);
+  } catch (const std::bad_alloc&) {
+  }
+  r.check(d2 != nullptr, "memory cap", "allocate within the cap after a free threw");
+
+  // The statistics' scratch counts too: 2^20 elements in buckets of 32, 2 candidates,
+  // 512 KiB of partial sums where 900 KiB of the 1 MiB are held.
+  {
+    collective::BucketLayout layout;
+    layout.count = 1 << 20;
+    collective::LayerLayout layer;
+    layer.name = "big";
+    layer.numel = layout.count;
+    layer.candidates = {CodecSpec::quant(QuantParams{2, 32, Rounding::kStochastic}),
+                        CodecSpec::quant(QuantParams{4, 32, Rounding::kNearest})};
+    layout.layers.push_back(layer);
+    const Plan plan = collective::make_plan(layout, std::vector<CodecSpec>{layer.candidates[0]}, 1);
+    Dev in(layout.count * 4), sq(2 * sizeof(double)), nf(1);
+    CHECK_CUDA(cudaMemset(in.get(), 0, in.size()));
+    CHECK_CUDA(cudaMemset(sq.get(), 0, sq.size()));
+    CHECK_CUDA(cudaMemset(nf.get(), 0, nf.size()));
+    CHECK_CUDA(cudaDeviceSynchronize());
+    const std::vector<uint8_t> measured{1};
+    const collective::Backend::Measure m{layer.candidates, measured, reinterpret_cast<double*>(sq.get()), nf.get(), 1.0};
+    r.check(throws_bad_alloc([&] {
+              gpu->measure(plan, plan.segments, ElementSpan{in.get(), DType::kFloat32, 0}, nullptr, 0, m);
+            }),
+            "memory cap", "measure whose statistics scratch passes the cap did not throw std::bad_alloc");
+    auto roomy = CudaBackend::create(device, 0);
+    roomy->measure(plan, plan.segments, ElementSpan{in.get(), DType::kFloat32, 0}, nullptr, 0, m);
+    CHECK_CUDA(cudaDeviceSynchronize());
+    r.check(roomy->device_bytes() > 0, "memory cap", "the statistics scratch is not counted in device_bytes");
+  }
+
+  // A cudaMalloc failure without a cap: std::bad_alloc, the runtime's error cleared, the
+  // backend still usable.
+  auto free_gpu = CudaBackend::create(device, 0);
+  r.check(throws_bad_alloc([&] { free_gpu->allocate(uint64_t{1} << 50); }), "memory cap",
+          "a 1 PiB allocation did not throw std::bad_alloc");
+  const cudaError_t last = cudaGetLastError();
+  r.check(last == cudaSuccess, "memory cap",
+          strf("the out-of-memory error was left for the framework to find: %s", cudaGetErrorName(last)));
+  auto small = free_gpu->allocate(4096);
+  free_gpu->fill_zero(small->data(), 4096);
+  CHECK_CUDA(cudaDeviceSynchronize());
+  r.pass("memory cap");
+}
+
+void check_runtime(Report& r, int device, int device_count) {
+  auto runtime = shim::cuda_runtime();
+  r.check(runtime->name() == "cuda", "runtime", "name() is " + runtime->name());
+  Stream s;
+  std::string error;
+  r.check(!runtime->capturing(s.get(), &error), "runtime", "capturing() is true on an idle stream: " + error);
+  CHECK_CUDA(cudaStreamBeginCapture(s.get(), cudaStreamCaptureModeThreadLocal));
+  const bool during = runtime->capturing(s.get(), &error);
+  cudaGraph_t graph = nullptr;
+  CHECK_CUDA(cudaStreamEndCapture(s.get(), &graph));
+  if (graph) cudaGraphDestroy(graph);
+  r.check(during, "runtime", "capturing() is false during a capture");
+  bool threw = false;
+  try {
+    runtime->create_backend(device_count + 7, 0);
+  } catch (const std::runtime_error& e) {
+    threw = true;
+    r.note("runtime", strf("bad device: \"%.80s\"", e.what()));
+  }
+  r.check(threw, "runtime", "create_backend on a device that does not exist did not throw std::runtime_error");
+  r.check(cudaGetLastError() == cudaSuccess, "runtime", "create_backend's failure left an error set");
+  auto backend = runtime->create_backend(device, 0);
+  r.check(backend && backend->name() == "cuda", "runtime", "create_backend did not give a cuda backend");
+
+  // The guard with two devices: the backend on the other one, the caller's current device
+  // unchanged by its calls.
+  if (device_count < 2) {
+    r.note("device guard", "one device: the two-device case was skipped");
+    return;
+  }
+  const int other = device == 0 ? 1 : 0;
+  CHECK_CUDA(cudaSetDevice(other));
+  Stream other_stream;
+  CHECK_CUDA(cudaSetDevice(device));
+  auto gpu = CudaBackend::create(other, 0);
+  gpu->set_stream(other_stream.get());
+  auto buf = gpu->allocate(4096 * 4);
+  std::vector<float> v(4096, 6.0f);
+  gpu->upload(buf->data(), v.data(), v.size() * 4);
+  gpu->divide(static_cast<float*>(buf->data()), v.size(), 3.0f);
+  std::vector<float> back(4096);
+  gpu->read_back(back.data(), buf->data(), back.size() * 4)->wait();
+  int current = -1;
+  CHECK_CUDA(cudaGetDevice(&current));
+  r.check(current == device, "device guard", strf("current device %d after calls on device %d's backend", current, other));
+  r.check(all_equal(back.data(), back.size(), 2.0f), "device guard", "the other device's backend computed wrongly");
+}
+
+// ---------------------------------------------------------------------------------------
+
+struct Options {
+  bool check = false;
+  bool quick = false;
+  std::optional<uint64_t> seed;
+  int device = 0;
+  unsigned time_limit = 300;
+};
+
+int run_check(const Options& o) {
+  const uint64_t seed = o.seed ? *o.seed
+                               : (static_cast<uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}() ^
+                                     static_cast<uint64_t>(cli::seconds_now() * 1e9);
+  printf("# --check%s, seed 0x%016llx (replay: %s --check%s --seed 0x%016llx)\n", o.quick ? " --quick" : "",
+         static_cast<ull>(seed), kProgram, o.quick ? " --quick" : "", static_cast<ull>(seed));
+  Rng rng(seed);
+  Report r;
+  int count = 0;
+  CHECK_CUDA(cudaGetDeviceCount(&count));
+  const double start = cli::seconds_now();
+  std::string stage = "setup";
+  try {
+    CHECK_CUDA(cudaSetDevice(o.device));
+    CpuBackend cpu;
+    auto gpu = CudaBackend::create(o.device, 0);
+    Stream stream;
+    gpu->set_stream(stream.get());
+    Ctx c{r, cpu, *gpu, rng, stream.get()};
+    const int trials = o.quick ? 12 : 60;
+    for (int i = 0; i < trials; ++i) {
+      stage = strf("random plan %d", i);
+      const Trial t = random_trial(rng, o.quick, i);
+      const std::vector<std::pair<const char*, std::function<void()>>> ops = {
+          {"find_nonfinite", [&] { check_find_nonfinite(c, t); }},
+          {"encode payload", [&] { check_codec(c, t); }},
+          {"accumulate_exact", [&] { check_accumulate_exact(c, t); }},
+          {"measure", [&] { check_measure(c, t); }},
+      };
+      for (const auto& [row, op] : ops) {
+        stage = strf("%s on %s", row, t.name.c_str());
+        try {
+          op();
+        } catch (const CudaFailure&) {
+          throw;
+        } catch (const std::exception& e) {
+          // A host-side refusal (CodecError, bad_alloc): that operation failed, the next runs.
+          r.fail(row, strf("%s threw: %s", t.name.c_str(), e.what()));
+          if (cudaGetLastError() != cudaSuccess) throw;
+        }
+      }
+      stage = "divide, narrow, memory operations";
+      check_divide(c);
+      check_narrow(c);
+      if (i % 4 == 0) check_memory_ops(c);
+    }
+    stage = "streams, events and marks";
+    check_streams_events_marks(r, *gpu, o.device);
+    stage = "memory cap";
+    check_cap(r, o.device);
+    stage = "runtime";
+    check_runtime(r, o.device, count);
+    CHECK_CUDA(cudaDeviceSynchronize());
+  } catch (const CudaFailure& e) {
+    r.fail("cuda", stage + ": " + e.what() + " (a kernel fault surfaces at the next synchronisation; later checks skipped)");
+  } catch (const std::exception& e) {
+    r.fail("harness", stage + ": " + e.what() + " (later checks skipped)");
+  }
+  const double seconds = cli::seconds_now() - start;
+  printf("\n");
+  for (const std::string& f : r.failures()) printf("# failed: %s\n", f.c_str());
+  printf("SUMMARY: %llu checks, %llu passed, %llu failed in %.1f s (seed 0x%016llx)\n", static_cast<ull>(r.cases()),
+         static_cast<ull>(r.cases() - r.failed()), static_cast<ull>(r.failed()), seconds, static_cast<ull>(seed));
+  printf("RESULT: %s\n", r.failed() == 0 ? "PASS" : "FAIL");
+  printf("\n== %s --check%s: CudaBackend against CpuBackend ==\n", kProgram, o.quick ? " --quick" : "");
+  printf("%-24s %6s %6s %14s  %s\n", "check", "cases", "failed", "values", "note");
+  for (const auto& [name, row] : r.rows())
+    printf("%-24s %6llu %6llu %14s  %s\n", name.c_str(), static_cast<ull>(row.cases), static_cast<ull>(row.failed),
+           row.values ? cli::thousands(row.values).c_str() : "-", row.note.c_str());
+  return r.failed() == 0 ? 0 : kExitFailed;
+}
+
+constexpr char kUsage[] = R"(usage: lgreco-gpu-backend-check --check [--quick] [--seed S] [--device N] [--time-limit S]
+
+Compares the engine's CUDA backend (plugin/shim/cuda_backend.h) with its CPU backend on a
+GPU: every operation on fresh random plans byte for byte (measure within the statistics'
+tolerance), set_stream's ordering across streams, the memory cap, read-back events,
+marks, the device guard and the runtime.
+
+  --check        run the checks: FAIL lines, SUMMARY and RESULT lines, a table last
+  --quick        fewer random plans
+  --seed S       seed of the random plans (default: drawn and printed)
+  --device N     CUDA device (default 0)
+  --time-limit S exit with status 3 after S seconds (default 300, 0: none)
+
+Exit status: 0 all passed, 1 a check failed, 2 usage error or no CUDA device, 3 the time
+limit ran out.
+)";
+
+int run(int argc, char** argv) {
+  Options o;
+  for (cli::Args args(argc, argv, 1); args.next();) {
+    const std::string& arg = args.arg();
+    if (args.is_help()) {
+      fputs(kUsage, stdout);
+      return 0;
+    } else if (arg == "--check") {
+      o.check = true;
+    } else if (arg == "--quick") {
+      o.quick = true;
+    } else if (arg == "--seed") {
+      o.seed = cli::parse_u64(arg, args.value());
+    } else if (arg == "--device") {
+      o.device = static_cast<int>(std::min<uint32_t>(cli::parse_u32(arg, args.value()), INT32_MAX));
+    } else if (arg == "--time-limit") {
+      o.time_limit = cli::parse_u32(arg, args.value());
+    } else {
+      throw cli::UsageError("unknown option " + arg);
+    }
+  }
+  if (!o.check) throw cli::UsageError("say what to do: --check");
+  setvbuf(stdout, nullptr, _IOLBF, 0);
+  if (o.time_limit > 0) {
+    signal(SIGALRM, on_time_limit);
+    alarm(o.time_limit);
+  }
+  int count = 0;
+  const cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess || count == 0 || o.device >= count) {
+    const std::string why = e != cudaSuccess ? strf("cudaGetDeviceCount failed: %s: %s", cudaGetErrorName(e),
+                                                    cudaGetErrorString(e))
+                            : count == 0     ? std::string("no CUDA device")
+                                             : strf("device %d does not exist (%d devices)", o.device, count);
+    printf("%s: no usable GPU: %s\nRESULT: SKIP (no GPU)\n", kProgram, why.c_str());
+    fprintf(stderr, "%s: no usable GPU: %s\n", kProgram, why.c_str());
+    return kExitNoDevice;
+  }
+  cudaDeviceProp prop{};
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, o.device));
+  printf("# device %d: %s, sm_%d%d, %.1f GiB\n", o.device, prop.name, prop.major, prop.minor,
+         static_cast<double>(prop.totalGlobalMem) / 1073741824.0);
+  return run_check(o);
+}
+
+}  // namespace
+}  // namespace lgreco
+
+int main(int argc, char** argv) {
+  return lgreco::cli::guarded_main(lgreco::kProgram, [&] { return lgreco::run(argc, argv); });
+}
