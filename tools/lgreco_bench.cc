@@ -40,6 +40,7 @@
 #ifdef LGRECO_BENCH_CUDA
 #include <cuda_runtime.h>
 #include <dlfcn.h>
+#include <link.h>
 #include <signal.h>
 
 #include "plugin/shim/device_runtime.h"
@@ -728,6 +729,20 @@ int run_nccl_rank(const Options& o, const collective::SocketFabricOptions& so) {
   std::string error;
   const std::optional<shim::ResolvedNccl> resolved = shim::resolve_loaded_nccl(&error);
   if (!resolved) throw std::runtime_error("--fabric nccl: " + o.nccl_lib + ": " + error);
+  // The table must point into the library the communicator comes from: the resolver
+  // takes the first loaded libnccl, which is another one if something loaded one before.
+  struct link_map* map = nullptr;
+  if (dlinfo(lib, RTLD_DI_LINKMAP, &map) == 0 && map && map->l_name && *map->l_name) {
+    char* mine = realpath(map->l_name, nullptr);
+    char* theirs = realpath(resolved->path.c_str(), nullptr);
+    const bool same = mine && theirs && strcmp(mine, theirs) == 0;
+    const std::string loaded = mine ? mine : map->l_name;
+    free(mine);
+    free(theirs);
+    if (!same)
+      throw std::runtime_error("--fabric nccl: two NCCL libraries are loaded, " + loaded + " (--nccl-lib) and " +
+                               resolved->path + " (found first by the shim's resolver)");
+  }
   const shim::NcclApi& api = resolved->api;
   auto nccl_check = [&](nccl::Result r, const char* call) {
     if (r != nccl::kSuccess) throw std::runtime_error(std::string(call) + ": " + api.error_string(r));
