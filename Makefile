@@ -45,7 +45,7 @@ NVCCFLAGS := -std=c++20 -O3 -g -I. --fmad=false -ccbin $(CXX) \
 CORE_SRCS := $(wildcard config/*.cc) $(wildcard controller/*.cc) \
              $(filter-out %_none.cc,$(wildcard kernels/*.cc)) \
              $(wildcard plugin/transport/*.cc) $(wildcard plugin/collective/*.cc) \
-             $(wildcard plugin/shim/*.cc)
+             $(filter-out plugin/shim/entry_points.cc,$(wildcard plugin/shim/*.cc))
 ifeq ($(HAVE_CUDA),1)
 CU_SRCS   := $(wildcard kernels/*.cu) $(wildcard plugin/shim/*.cu)
 # A *_none.cc stands in for a .cu file in builds without CUDA only.
@@ -56,7 +56,7 @@ CORE_SRCS += $(wildcard kernels/*_none.cc)
 CU_SRCS   :=
 CUDA_LIBS :=
 endif
-SO_SRCS   := plugin/library.cc
+SO_SRCS   := plugin/library.cc plugin/shim/entry_points.cc
 TEST_SRCS := $(wildcard tests/unit/*.cc)
 # Each tools/lgreco_NAME.cc is one program, build/bin/lgreco-NAME ('_' becomes '-').
 TOOL_SRCS := $(wildcard tools/lgreco_*.cc)
@@ -108,6 +108,8 @@ $(GIT_REV_HEADER): FORCE
 	@cmp -s $@.tmp $@ && rm -f $@.tmp || mv -f $@.tmp $@
 $(BUILD)/obj/config/version.cc.o: $(GIT_REV_HEADER)
 $(BUILD)/obj/config/version.cc.o: CPPFLAGS += -I$(BUILD)/gen
+$(BUILD)/tsan/config/version.cc.o: $(GIT_REV_HEADER)
+$(BUILD)/tsan/config/version.cc.o: CPPFLAGS += -I$(BUILD)/gen
 FORCE:
 
 # lgreco-demo carries the ResNet-50 registration in its binary, as a raw string literal.
@@ -185,13 +187,29 @@ ifeq ($(HAVE_CUDA),1)
 $(call obj,tools/lgreco_bench.cc): CPPFLAGS += -isystem $(CUDA_HOME)/include -DLGRECO_BENCH_CUDA
 endif
 
+# A stand-in libnccl and a program linked against it (tests/interpose/): a framework's
+# NCCL calls through the PLT, for the LD_PRELOAD test in tests/unit/library_test.cc,
+# which needs no GPU.
+CC ?= gcc
+INTERPOSE_LIB := $(BUILD)/lib/test/libfakenccl.so
+INTERPOSE_BIN := $(BUILD)/bin/lgreco-interpose-probe
+$(INTERPOSE_LIB): tests/interpose/fake_libnccl.c
+	@mkdir -p $(@D)
+	$(CC) -shared -fPIC -O1 -Wall -o $@ $<
+$(INTERPOSE_BIN): tests/interpose/probe.c $(INTERPOSE_LIB)
+	@mkdir -p $(@D)
+	$(CC) -O1 -Wall -o $@ $< -L$(dir $(INTERPOSE_LIB)) -lfakenccl -Wl,-rpath,$(abspath $(dir $(INTERPOSE_LIB)))
+
 # The multi-threaded parts, built again with ThreadSanitizer: the controller's solver
 # thread, and the engine with the in-process and socket fabrics (ranks as threads).
 # No CUDA. No target_clones: their ifunc resolvers run before the sanitizer's runtime is up.
 TSAN_SRCS := tests/unit/main.cc tests/unit/controller_test.cc tests/unit/inproc_fabric_test.cc \
-             tests/unit/engine_test.cc tests/unit/socket_fabric_test.cc \
+             tests/unit/engine_test.cc tests/unit/socket_fabric_test.cc tests/unit/shim_test.cc tests/unit/fake_nccl.cc \
+             plugin/shim/shim.cc plugin/shim/nccl_fabric.cc plugin/shim/host_runtime.cc plugin/shim/nccl_api.cc \
+             plugin/shim/nccl_locator.cc \
              $(wildcard controller/*.cc) $(wildcard plugin/collective/*.cc) $(wildcard plugin/transport/*.cc) \
              config/log.cc config/params.cc config/text_file.cc config/json_strict.cc config/registration.cc \
+             config/bucket_matcher.cc config/version.cc \
              kernels/codec_spec.cc kernels/codec.cc kernels/quant_ref.cc kernels/dtype.cc
 TSAN_OBJS := $(patsubst %,$(BUILD)/tsan/%.o,$(TSAN_SRCS))
 TSAN_BIN  := $(BUILD)/bin/lgreco-tsan-tests
@@ -209,9 +227,10 @@ $(TSAN_BIN): $(TSAN_OBJS)
 # file-format suites run the built binaries and $(PYTHON).
 # deps runs first even under -j: the build starts from the recipe, after it.
 test: deps
-	@$(MAKE) --no-print-directory all $(TEST_BIN) $(GPU_CHECK_BIN)
+	@$(MAKE) --no-print-directory all $(TEST_BIN) $(GPU_CHECK_BIN) $(INTERPOSE_BIN)
 	LGRECO_TEST_BIN_DIR=$(CURDIR)/$(BUILD)/bin LGRECO_TEST_LIB=$(CURDIR)/$(LIB) LGRECO_TEST_PYTHON=$(PYTHON) \
 	LGRECO_TEST_NCCL_LIB=$(NCCL_HOME)/lib64/libnccl.so LGRECO_TEST_SOURCE_DIR=$(CURDIR) \
+	LGRECO_TEST_INTERPOSE_PROBE=$(CURDIR)/$(INTERPOSE_BIN) \
 	  $(TEST_BIN) --report_level=short --log_level=warning
 	@$(MAKE) --no-print-directory test-tsan
 	@$(MAKE) --no-print-directory test-python
@@ -248,10 +267,11 @@ test-tsan: $(TSAN_BIN)
 	TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" LGRECO_DEBUG=NONE \
 	  $(TSAN_BIN) --report_level=short --log_level=warning
 
-bench: $(BUILD)/bin/lgreco-codec-bench $(BUILD)/bin/lgreco-solve-bench $(BUILD)/bin/lgreco-match-bench
+bench: $(BUILD)/bin/lgreco-codec-bench $(BUILD)/bin/lgreco-solve-bench $(BUILD)/bin/lgreco-match-bench $(BUILD)/bin/lgreco-shim-bench
 	$(BUILD)/bin/lgreco-codec-bench
 	$(BUILD)/bin/lgreco-solve-bench
 	$(BUILD)/bin/lgreco-match-bench
+	$(BUILD)/bin/lgreco-shim-bench
 
 # Four ranks in network namespaces over tbf-limited veth links (tests/netbench/netbench.sh
 # says what it measures). Needs root; not part of `make test`.
