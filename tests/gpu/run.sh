@@ -20,7 +20,8 @@
 #              plans, stream switching, the memory cap, events, marks), and one
 #              compute-sanitizer memcheck pass of --check --quick when the tool works.
 #              About 2-3 minutes on an H200, most of it a cold build; bounded by
-#              LGRECO_GPU_BACKEND_SECONDS (default 420). The shim section calls it too.
+#              LGRECO_GPU_BACKEND_SECONDS (default 420). The shim section does not run
+#              it: `tests/gpu/run.sh backend shim` runs both, the backend first.
 #   shim       the collective shim on the GPU, 2 and 4 NCCL ranks sharing the one GPU
 #              (a distinct NCCL_HOSTID each, NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1
 #              NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo): builds build/lib/liblgreco.so,
