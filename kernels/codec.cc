@@ -30,7 +30,7 @@ class NoneCodec final : public Codec {
     EncodeReport report;
     for (uint64_t i = 0; i < in.count; ++i) {
       const float x = load_as_float(in.data, dtype(), i);
-      const float v = residual ? x + residual[i] : x;
+      const float v = residual ? quant::canonical_nan(x + residual[i]) : x;
       store_from_float(out.data(), dtype(), i, v);
       // A value that is finite in float32 but overflows the element type (above 65504 in
       // float16) is sent as an infinity like any overflow; its residual stays as it was,
@@ -52,7 +52,7 @@ class NoneCodec final : public Codec {
 
   void decode_accumulate(std::span<const uint8_t> in, uint64_t count, float* acc) const override {
     check_buffer(in.size(), encoded_bytes(count), "none decode_accumulate");
-    for (uint64_t i = 0; i < count; ++i) acc[i] += load_as_float(in.data(), dtype(), i);
+    for (uint64_t i = 0; i < count; ++i) acc[i] = quant::canonical_nan(acc[i] + load_as_float(in.data(), dtype(), i));
   }
 };
 

@@ -29,6 +29,13 @@ constexpr uint32_t kNonFiniteBits = 0x7fc00000u;
 // would pass the stored NaN's bits through, a GPU would produce its canonical one).
 constexpr uint32_t kDecodedNaNBits = 0x7fffffffu;
 
+// A float32 sum, difference or quotient as lgreco stores it: a NaN result becomes
+// kDecodedNaNBits. x86 arithmetic passes a NaN operand's bits through (which one, when
+// both are NaN, is the compiler's choice of operand order), a GPU writes its canonical
+// NaN; every float32 arithmetic result lgreco stores goes through this, so the CPU
+// reference and the CUDA kernels agree bit for bit (docs/FORMAT.md).
+LGRECO_HD float canonical_nan(float v) { return v == v ? v : bits_float(kDecodedNaNBits); }
+
 struct BucketMeta {
   float min;
   float unit;  // (max - min) / (2^bits - 1); 0 for a constant bucket

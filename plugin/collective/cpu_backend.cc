@@ -82,7 +82,7 @@ void CpuBackend::encode(const Plan& plan, std::span<const Segment> segments, Ele
       // is the codec, and the residual keeps what rounding lost.
       for (uint64_t i = 0; i < s.count; ++i) {
         const float x = load_as_float(data, input.dtype, i);
-        const float v = residual ? x + residual[i] : x;
+        const float v = residual ? quant::canonical_nan(x + residual[i]) : x;
         store_from_float(dst, plan.dtype, i, v);
         // As the none codec: a sum that overflows the element type keeps its residual.
         const float sent = round_to_dtype(v, plan.dtype);
@@ -119,14 +119,14 @@ void CpuBackend::accumulate_exact(const Plan&, std::span<const Segment> segments
     float* sum = static_cast<float*>(element_ptr_mut(acc, s.offset));
     for (uint64_t i = 0; i < s.count; ++i) {
       const float x = load_as_float(data, input.dtype, i);
-      sum[i] += residual ? x + residual[i] : x;
+      sum[i] = quant::canonical_nan(sum[i] + (residual ? x + residual[i] : x));
     }
     if (residual) memset(residual, 0, s.count * sizeof(float));
   }
 }
 
 void CpuBackend::divide(float* acc, uint64_t n, float divisor) {
-  for (uint64_t i = 0; i < n; ++i) acc[i] = acc[i] / divisor;
+  for (uint64_t i = 0; i < n; ++i) acc[i] = quant::canonical_nan(acc[i] / divisor);
 }
 
 void CpuBackend::narrow(const float* acc, uint64_t n, ElementSpan out) {

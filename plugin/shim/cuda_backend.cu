@@ -9,10 +9,10 @@
 // spelled out (quant_math.h's f32_add / f32_sub / f32_div), so nothing is contracted.
 // Conversions are dtype.h's own helpers, compiled for the device. One more rule: where
 // the CPU reference adds or divides float32 values that may be NaN (a `none` layer's
-// residual, the owner's sums, decode-accumulate of `none`, the division), x86 SSE
-// arithmetic passes a NaN operand's bits through (quieted) while the GPU writes its
-// canonical NaN; the *_as_x86 helpers below do what SSE does, so that the bytes agree
-// (docs/KERNELS.md, "The engine's CUDA backend").
+// residual, the owner's sums, decode-accumulate of `none`, the division), both sides
+// store a NaN result as quant::kDecodedNaNBits (quant::canonical_nan), since x86 would
+// pass an operand's NaN bits through and a GPU writes its own canonical NaN
+// (docs/FORMAT.md; docs/KERNELS.md, "The engine's CUDA backend").
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -218,26 +218,11 @@ struct SegmentTable {
 };
 static_assert(sizeof(SegmentTable) <= 2100, "kernel parameters are limited to 4 KB with the arguments");
 
-// x86 SSE's float32 NaN rules (Intel SDM vol. 1, 4.8.3.5): a NaN operand comes out
-// quieted, the first operand's when both are NaN; a NaN made from non-NaN operands
-// (inf - inf, 0/0) is the "real indefinite" 0xFFC00000. The CPU reference's additions
-// are ordered as g++ emits them (input + residual, sum + addend, decoded value +
-// accumulator; docs/KERNELS.md).
-constexpr uint32_t kX86DefaultNaN = 0xffc00000u;
-__device__ __forceinline__ bool is_nan(float v) { return (float_bits(v) & 0x7fffffffu) > 0x7f800000u; }
-__device__ __forceinline__ float quieted(float v) { return bits_float(float_bits(v) | 0x00400000u); }
-__device__ __forceinline__ float add_as_x86(float a, float b) {
-  if (is_nan(a)) return quieted(a);
-  if (is_nan(b)) return quieted(b);
-  const float s = quant::f32_add(a, b);
-  return is_nan(s) ? bits_float(kX86DefaultNaN) : s;
-}
-__device__ __forceinline__ float div_as_x86(float a, float b) {
-  if (is_nan(a)) return quieted(a);
-  if (is_nan(b)) return quieted(b);
-  const float q = quant::f32_div(a, b);
-  return is_nan(q) ? bits_float(kX86DefaultNaN) : q;
-}
+// Float32 arithmetic whose NaN results are stored as quant::kDecodedNaNBits, as the CPU
+// reference stores them (quant::canonical_nan, docs/FORMAT.md): the bits never depend on
+// which operand was a NaN or on the compiler's operand order.
+__device__ __forceinline__ float add_canonical(float a, float b) { return quant::canonical_nan(quant::f32_add(a, b)); }
+__device__ __forceinline__ float div_canonical(float a, float b) { return quant::canonical_nan(quant::f32_div(a, b)); }
 
 __device__ __forceinline__ uint64_t thread_index() {
   return static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -290,7 +275,7 @@ __global__ void __launch_bounds__(kThreads) none_encode_kernel(const __grid_cons
   uint8_t* out = a.payload + j.byte_offset;
   for (uint64_t i = thread_index(); i < j.count; i += thread_stride()) {
     const float x = load_as_float(a.input, a.input_dtype, base + i);
-    const float v = r ? add_as_x86(x, r[i]) : x;
+    const float v = r ? add_canonical(x, r[i]) : x;
     store_from_float(out, a.payload_dtype, i, v);
     if (r) {
       // A sum that overflows the payload type is sent as an infinity and keeps its residual.
@@ -318,7 +303,7 @@ __global__ void __launch_bounds__(kThreads) none_decode_kernel(const __grid_cons
     const float v = load_as_float(in, a.payload_dtype, i);
     if constexpr (kAccumulate) {
       float* acc = static_cast<float*>(a.output) + base + i;
-      *acc = add_as_x86(v, *acc);
+      *acc = add_canonical(*acc, v);
     } else {
       store_from_float(a.output, a.output_dtype, base + i, v);
     }
@@ -346,14 +331,14 @@ __global__ void __launch_bounds__(kThreads) exact_kernel(const __grid_constant__
   float* sum = a.acc + (j.offset - a.acc_first);
   for (uint64_t i = thread_index(); i < j.count; i += thread_stride()) {
     const float x = load_as_float(a.input, a.input_dtype, in_base + i);
-    const float addend = r ? add_as_x86(x, r[i]) : x;
-    sum[i] = add_as_x86(sum[i], addend);
+    const float addend = r ? quant::f32_add(x, r[i]) : x;
+    sum[i] = add_canonical(sum[i], addend);
     if (r) r[i] = 0.0f;
   }
 }
 
 __global__ void __launch_bounds__(kThreads) divide_kernel(float* acc, uint64_t n, float divisor) {
-  for (uint64_t i = thread_index(); i < n; i += thread_stride()) acc[i] = div_as_x86(acc[i], divisor);
+  for (uint64_t i = thread_index(); i < n; i += thread_stride()) acc[i] = div_canonical(acc[i], divisor);
 }
 
 __global__ void __launch_bounds__(kThreads) narrow_kernel(const float* acc, uint64_t n, void* out, DType out_dtype) {

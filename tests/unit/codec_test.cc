@@ -53,6 +53,44 @@ BOOST_AUTO_TEST_CASE(none_round_trips_in_the_layer_type) {
   for (uint64_t i = 0; i < n; ++i) BOOST_TEST_REQUIRE(acc[i] == 2.0f + y[i]);
 }
 
+// A NaN that arithmetic makes is stored as 0x7FFFFFFF whatever the operands' NaN bits
+// (x86 would keep an operand's payload, a GPU writes its canonical NaN); a NaN that is
+// only copied keeps its bits.
+BOOST_AUTO_TEST_CASE(none_stores_computed_nans_canonically_and_copies_others) {
+  auto none = Codec::create(CodecSpec::none(), DType::kFloat32);
+  auto bits_of = [](float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+  };
+  auto float_of = [](uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+  };
+  const std::vector<float> input = {float_of(0x7fa00001u), 1.0f, float_of(0xffc00123u), 2.0f};
+  std::vector<float> residual = {0.5f, float_of(0x7f812345u), 0.25f, 0.0f};
+  std::vector<uint8_t> out(16, 0xEE);
+  none->encode(NoiseKey{}, Slice{input.data(), 4, 0}, residual.data(), out);
+  std::vector<float> sent(4);
+  memcpy(sent.data(), out.data(), 16);
+  BOOST_TEST(bits_of(sent[0]) == 0x7fffffffu);
+  BOOST_TEST(bits_of(sent[1]) == 0x7fffffffu);
+  BOOST_TEST(bits_of(sent[2]) == 0x7fffffffu);
+  BOOST_TEST(sent[3] == 2.0f);
+  // Without a residual nothing is computed: the input's own bits are sent.
+  none->encode(NoiseKey{}, Slice{input.data(), 4, 0}, nullptr, out);
+  memcpy(sent.data(), out.data(), 16);
+  BOOST_TEST(bits_of(sent[0]) == 0x7fa00001u);
+  // Decode-accumulate into a NaN accumulator, and a NaN value into a finite one.
+  std::vector<float> acc = {float_of(0x7fc0abcdu), 3.0f, 4.0f, 5.0f};
+  none->decode_accumulate(out, 4, acc.data());
+  BOOST_TEST(bits_of(acc[0]) == 0x7fffffffu);
+  BOOST_TEST(acc[1] == 4.0f);
+  BOOST_TEST(bits_of(acc[2]) == 0x7fffffffu);
+  BOOST_TEST(acc[3] == 7.0f);
+}
+
 BOOST_AUTO_TEST_CASE(quant_codec_is_the_quant_functions) {
   std::mt19937_64 rng(test::run_seed());
   const uint64_t n = 3333;
