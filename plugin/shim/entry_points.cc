@@ -27,7 +27,7 @@ void log_at_exit() {
   if (g_exit_shim) g_exit_shim->log_summaries();
 }
 
-Shim* create_shim() {
+Shim* create_shim() noexcept try {
   std::string error;
   std::optional<ResolvedNccl> nccl = resolve_loaded_nccl(&error);
   if (!nccl) {
@@ -41,6 +41,23 @@ Shim* create_shim() {
   g_exit_shim = shim;
   std::atexit(log_at_exit);
   return shim;
+} catch (const std::exception& e) {
+  LGRECO_WARN("SHIM", "cannot start lgreco's shim: %s; NCCL calls fail with ncclSystemError", e.what());
+  return nullptr;
+}
+
+// Nothing may unwind into the caller's C code: an exception the shim did not handle
+// itself (it handles every one it expects) ends the call with ncclInternalError.
+template <typename Fn>
+nccl::Result guarded(const char* call, Fn&& fn) noexcept {
+  try {
+    return fn();
+  } catch (const std::exception& e) {
+    LGRECO_WARN("SHIM", "%s: unexpected error in lgreco: %s", call, e.what());
+  } catch (...) {
+    LGRECO_WARN("SHIM", "%s: unexpected error in lgreco", call);
+  }
+  return nccl::kInternalError;
 }
 
 Shim* the_shim() {
@@ -56,6 +73,7 @@ using lgreco::nccl::DataType;
 using lgreco::nccl::RedOp;
 using lgreco::nccl::Result;
 using lgreco::nccl::Stream;
+using lgreco::shim::guarded;
 using lgreco::shim::Shim;
 using lgreco::shim::the_shim;
 
@@ -63,52 +81,59 @@ using lgreco::shim::the_shim;
 
 // Forwards a call the shim does not change, after telling it that an operation other
 // than an allreduce joined the current group.
-#define LGRECO_FORWARD(member, ...)                              \
-  Shim* shim = the_shim();                                       \
-  if (!shim) return lgreco::nccl::kSystemError;                  \
-  if (!shim->api().member) return lgreco::nccl::kInvalidUsage;   \
-  shim->note_other_operation();                                  \
-  return shim->api().member(__VA_ARGS__)
+#define LGRECO_FORWARD(member, ...)                                   \
+  Shim* shim = the_shim();                                            \
+  if (!shim) return lgreco::nccl::kSystemError;                       \
+  if (!shim->api().member) return lgreco::nccl::kInvalidUsage;        \
+  return guarded(#member, [&] {                                       \
+    shim->note_other_operation();                                     \
+    return shim->api().member(__VA_ARGS__);                           \
+  })
 
 LGRECO_EXPORT Result ncclAllReduce(const void* send, void* recv, size_t count, DataType dtype, RedOp op, Comm comm,
                                    Stream stream) {
   Shim* shim = the_shim();
-  return shim ? shim->all_reduce(send, recv, count, dtype, op, comm, stream) : lgreco::nccl::kSystemError;
+  return shim ? guarded("ncclAllReduce", [&] { return shim->all_reduce(send, recv, count, dtype, op, comm, stream); }) : lgreco::nccl::kSystemError;
 }
 
 LGRECO_EXPORT Result ncclGroupStart() {
   Shim* shim = the_shim();
-  return shim ? shim->group_start() : lgreco::nccl::kSystemError;
+  return shim ? guarded("ncclGroupStart", [&] { return shim->group_start(); }) : lgreco::nccl::kSystemError;
 }
 
 LGRECO_EXPORT Result ncclGroupEnd() {
   Shim* shim = the_shim();
-  return shim ? shim->group_end() : lgreco::nccl::kSystemError;
+  return shim ? guarded("ncclGroupEnd", [&] { return shim->group_end(); }) : lgreco::nccl::kSystemError;
 }
 
 LGRECO_EXPORT Result ncclGroupSimulateEnd(void* sim_info) {
   Shim* shim = the_shim();
-  return shim ? shim->group_simulate_end(sim_info) : lgreco::nccl::kSystemError;
+  return shim ? guarded("ncclGroupSimulateEnd", [&] { return shim->group_simulate_end(sim_info); }) : lgreco::nccl::kSystemError;
 }
 
 LGRECO_EXPORT Result ncclCommDestroy(Comm comm) {
   Shim* shim = the_shim();
-  return shim ? shim->comm_destroy(comm) : lgreco::nccl::kSystemError;
+  return shim ? guarded("ncclCommDestroy", [&] { return shim->comm_destroy(comm); }) : lgreco::nccl::kSystemError;
 }
 
 LGRECO_EXPORT Result ncclCommAbort(Comm comm) {
   Shim* shim = the_shim();
-  return shim ? shim->comm_abort(comm) : lgreco::nccl::kSystemError;
+  return shim ? guarded("ncclCommAbort", [&] { return shim->comm_abort(comm); }) : lgreco::nccl::kSystemError;
 }
 
 LGRECO_EXPORT Result ncclCommFinalize(Comm comm) {
   Shim* shim = the_shim();
-  return shim ? shim->comm_finalize(comm) : lgreco::nccl::kSystemError;
+  return shim ? guarded("ncclCommFinalize", [&] { return shim->comm_finalize(comm); }) : lgreco::nccl::kSystemError;
 }
 
 LGRECO_EXPORT const char* ncclGetLastError(Comm comm) {
   Shim* shim = the_shim();
-  return shim ? shim->last_error(comm) : "lgreco could not find the real NCCL (see its WARN)";
+  if (!shim) return "lgreco could not find the real NCCL (see its WARN)";
+  try {
+    return shim->last_error(comm);
+  } catch (...) {
+    return "lgreco: cannot read the last error";
+  }
 }
 
 LGRECO_EXPORT Result ncclBroadcast(const void* send, void* recv, size_t count, DataType dtype, int root, Comm comm,
