@@ -225,8 +225,10 @@ const ParamInfo kParamTable[] = {
      [](Params& p, const std::string& v) { return v.empty() ? (p.rendezvous_port = 0, std::string())
                                                             : parse_unsigned(v, 1, 65535, &p.rendezvous_port); }},
     {"LGRECO_TIMEOUT", "300", "seconds, a whole number from 1 to 86400",
-     "The longest lgreco waits for a peer rank during a compressed exchange before it reports an error naming "
-     "the rank (a dead or stalled process must not hang the others forever).",
+     "The longest lgreco waits for a peer rank during a compressed exchange over its own sockets before it "
+     "reports an error naming the rank (a dead or stalled process must not hang the others forever). Through "
+     "NCCL (the shim), waiting is NCCL's and the framework's; lgreco then WARNs at this interval while its "
+     "configuration exchange waits for ranks.",
      U64(timeout_seconds, 1, 86400)},
     {"LGRECO_DECISION_LOG", "", "a path; `%h` host, `%p` pid, `%r` rank, `%%` a percent sign",
      "Appends one JSON line per solved assignment (docs/CONTROLLER.md). Unset: no log.",

@@ -120,6 +120,13 @@ class Backend {
   };
   virtual void measure(const Plan& plan, std::span<const Segment> segments, ElementSpan input, const float* residual,
                        uint64_t residual_first, const Measure& m) = 0;
+  // Makes sure that measure() on any segments of `plan` with these candidates allocates
+  // nothing (CUDA: the statistics' scratch), so that no allocation can fail in the middle
+  // of a call on one rank only. The engine calls it where an allocation failure still
+  // makes every rank pass through (switching to an assignment). Throws std::bad_alloc.
+  virtual void prepare_measure(const Plan& plan, std::span<const CodecSpec> candidates) {
+    (void)plan, (void)candidates;
+  }
 
   // Timing without waiting, for the time objective and the counters: mark() enqueues a
   // timestamp and returns a handle (CUDA: an event from a pool); mark_ready() says

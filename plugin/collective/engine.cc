@@ -427,7 +427,17 @@ void Engine::switch_to(std::shared_ptr<const controller::Assignment> assignment)
     gathered = std::max(gathered, s.sizes->gathered);
     if (options_.error_feedback && !s.residual) s.residual = backend_.allocate(layout.count * 4);
     if (!s.flags) s.flags = backend_.allocate(layout.layers.size());
+    // What measuring needs is allocated here too, where a failure is still agreed on by
+    // every rank, not in the middle of a call on one rank.
+    if (controller_) {
+      backend_.prepare_measure(s.plan, measured_candidates_);
+      backend_.prepare_measure(s.whole, measured_candidates_);
+    }
   }
+  // One sample buffer per bucket to start with; a window that needs more (the queue lags
+  // many calls behind) allocates them, and measures less if it cannot (begin_sample).
+  if (controller_ && spare_samples_.empty() && samples_.empty())
+    for (size_t b = 0; b < buckets_.size(); ++b) spare_samples_.push_back(new_sample(static_cast<uint32_t>(b)));
   scratch(kSend, send);
   scratch(kRecv, recv);
   scratch(kAcc, acc);
@@ -569,34 +579,52 @@ CallOutcome Engine::run(const EngineCall& call) {
 // ---------------------------------------------------------------------------------------
 // Statistics and timing
 
+std::unique_ptr<Engine::Sample> Engine::new_sample(uint32_t bucket) {
+  auto sample = std::make_unique<Sample>();
+  sample->bucket = bucket;
+  sample->bytes = buckets_[bucket].layers.size() * (measured_candidates_.size() * sizeof(double) + 1);
+  sample->device = backend_.allocate(sample->bytes);
+  sample->host = backend_.allocate_host(sample->bytes);
+  return sample;
+}
+
 Engine::Sample* Engine::begin_sample(BucketState& b, const EngineCall& call) {
-  const size_t layers = buckets_[call.bucket].layers.size();
-  const size_t c = measured_candidates_.size();
-  // Sample buffers are recycled: a window allocates them once.
-  std::unique_ptr<Sample> sample;
-  if (!spare_samples_.empty()) {
-    sample = std::move(spare_samples_.back());
-    spare_samples_.pop_back();
-  } else {
-    sample = std::make_unique<Sample>();
-  }
-  sample->bucket = call.bucket;
-  const uint64_t squared_bytes = layers * c * sizeof(double);
-  sample->bytes = squared_bytes + layers;
-  if (!sample->device || sample->device->bytes() < sample->bytes) {
-    sample->device = backend_.allocate(sample->bytes);
-    sample->host = backend_.allocate_host(sample->bytes);
-  }
-  auto* device = static_cast<uint8_t*>(sample->device->data());
-  backend_.fill_zero(device, sample->bytes);
-  sample->measure = Backend::Measure{measured_candidates_, b.measured, reinterpret_cast<double*>(device),
-                                     device + squared_bytes};
-  samples_.push_back(std::move(sample));
+  // The window's end is a step every rank computes alike, sample or not: the statistics'
+  // sum across ranks (a collective) happens there.
   if (!window_end_) {
     uint64_t end = call.step;
     while (!controller_->schedule().window_ends(end)) ++end;
     window_end_ = end;
   }
+  const size_t layers = buckets_[call.bucket].layers.size();
+  const size_t c = measured_candidates_.size();
+  const uint64_t squared_bytes = layers * c * sizeof(double);
+  // Sample buffers are recycled: a spare one that is large enough, else a new one. A
+  // rank that cannot allocate one measures this call less: statistics are local until
+  // the window's sum, so the ranks' calls stay the same.
+  std::unique_ptr<Sample> sample;
+  for (size_t i = spare_samples_.size(); i-- > 0;)
+    if (spare_samples_[i]->device->bytes() >= squared_bytes + layers) {
+      sample = std::move(spare_samples_[i]);
+      spare_samples_.erase(spare_samples_.begin() + static_cast<std::ptrdiff_t>(i));
+      break;
+    }
+  if (!sample) {
+    try {
+      sample = new_sample(call.bucket);
+    } catch (const std::bad_alloc&) {
+      LGRECO_WARN_ONCE("ENGINE", "sample allocation", "cannot allocate a statistics buffer (LGRECO_MAX_MEMORY?): "
+                       "some calls of this window are not measured");
+      return nullptr;
+    }
+  }
+  sample->bucket = call.bucket;
+  sample->bytes = squared_bytes + layers;
+  auto* device = static_cast<uint8_t*>(sample->device->data());
+  backend_.fill_zero(device, sample->bytes);
+  sample->measure = Backend::Measure{measured_candidates_, b.measured, reinterpret_cast<double*>(device),
+                                     device + squared_bytes};
+  samples_.push_back(std::move(sample));
   return samples_.back().get();
 }
 

@@ -166,7 +166,8 @@ class Engine {
   // rank gets the same answer. Returns "" or what differs.
   std::string agree(uint64_t assignment_digest, bool local_ok, const std::string& local_problem);
   void switch_to(std::shared_ptr<const controller::Assignment> assignment);  // plans, buffers
-  Sample* begin_sample(BucketState& b, const EngineCall& call);
+  std::unique_ptr<Sample> new_sample(uint32_t bucket);  // throws std::bad_alloc
+  Sample* begin_sample(BucketState& b, const EngineCall& call);  // null: not measured
   void finish_sample();
   void collect_samples(bool wait);  // measured errors that reached the host, into stats_
   void resolve_timings(bool wait);  // marks the queue has passed, into counters and window_

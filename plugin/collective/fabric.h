@@ -16,9 +16,11 @@
 //    explicit read-back, and works unchanged either way.
 //  - Reductions give every rank the same bits: elements are summed in rank order
 //    (0, 1, ..., size-1), whatever the fabric's internal schedule.
-//  - Waits are bounded. A peer that does not answer within the fabric's timeout, a
-//    closed connection or a size the peer disagrees with throws FabricError naming the
-//    operation, the peer and the likely cause. After an error the fabric is broken:
+//  - Waits are bounded (except the NCCL fabric's, which only enqueues and leaves the
+//    waiting to NCCL and the framework: plugin/shim/nccl_fabric.h). A peer that does not
+//    answer within the fabric's timeout, a closed connection or a size the peer
+//    disagrees with throws FabricError naming the operation, the peer and the likely
+//    cause. After an error the fabric is broken:
 //    every later call throws at once (peers then fail too, instead of hanging).
 #pragma once
 
@@ -72,7 +74,7 @@ class Fabric {
 
   // Breaks the fabric on purpose: this rank failed in the middle of a collective and will
   // not come to the next operation. Peers waiting for it fail at once (a closed
-  // connection, a broken hub; NCCL: ncclCommAbort) instead of waiting out the timeout,
+  // connection, a broken hub; the NCCL fabric cannot: nccl_fabric.h) instead of waiting out the timeout,
   // and every later call here throws. Never throws; idempotent.
   //
   // Threads: the engine calls it from the thread that makes the fabric's calls, and

@@ -25,6 +25,10 @@ class StreamBackend : public collective::Backend {
   // pinned host memory (read-backs), for the INFO report and the cap.
   virtual uint64_t device_bytes() const = 0;
   virtual uint64_t host_bytes() const = 0;
+  // Why this backend's device cannot run lgreco's kernels (CUDA: a compute capability the
+  // build has no code for), or "". The shim reports it through the configuration
+  // exchange, so that every rank passes through instead of failing at the first launch.
+  virtual std::string unusable_reason() const { return {}; }
 };
 
 class DeviceRuntime {

@@ -4,16 +4,30 @@
 
 namespace lgreco::shim {
 
-std::unique_ptr<collective::Backend::Buffer> HostBackend::counted(uint64_t bytes, uint64_t& held) {
-  if (cap_ && device_ + host_ + bytes > cap_) throw std::bad_alloc();
-  auto buffer = cpu_.allocate(bytes);
-  held += bytes;
+class HostBackend::CountedBuffer final : public collective::Backend::Buffer {
+ public:
+  CountedBuffer(std::unique_ptr<Buffer> inner, std::shared_ptr<Held> held, bool device)
+      : inner_(std::move(inner)), held_(std::move(held)), device_(device) {}
+  ~CountedBuffer() override { (device_ ? held_->device : held_->host) -= inner_->bytes(); }
+  void* data() override { return inner_->data(); }
+  uint64_t bytes() const override { return inner_->bytes(); }
+
+ private:
+  std::unique_ptr<Buffer> inner_;
+  std::shared_ptr<Held> held_;
+  bool device_;
+};
+
+std::unique_ptr<collective::Backend::Buffer> HostBackend::counted(uint64_t bytes, bool device) {
+  if (cap_ && held_->device + held_->host + bytes > cap_) throw std::bad_alloc();
+  auto buffer = std::make_unique<CountedBuffer>(cpu_.allocate(bytes), held_, device);
+  (device ? held_->device : held_->host) += bytes;
   return buffer;
 }
 
-std::unique_ptr<collective::Backend::Buffer> HostBackend::allocate(uint64_t bytes) { return counted(bytes, device_); }
+std::unique_ptr<collective::Backend::Buffer> HostBackend::allocate(uint64_t bytes) { return counted(bytes, true); }
 std::unique_ptr<collective::Backend::Buffer> HostBackend::allocate_host(uint64_t bytes) {
-  return counted(bytes, host_);
+  return counted(bytes, false);
 }
 
 bool HostRuntime::capturing(nccl::Stream stream, std::string*) {

@@ -18,8 +18,8 @@ class HostBackend final : public StreamBackend {
   std::string name() const override { return "host"; }
   void set_stream(nccl::Stream stream) override { stream_ = stream; }
   nccl::Stream stream() const { return stream_; }
-  uint64_t device_bytes() const override { return device_; }
-  uint64_t host_bytes() const override { return host_; }
+  uint64_t device_bytes() const override { return held_->device; }
+  uint64_t host_bytes() const override { return held_->host; }
 
   std::unique_ptr<Buffer> allocate(uint64_t bytes) override;
   std::unique_ptr<Buffer> allocate_host(uint64_t bytes) override;
@@ -65,10 +65,16 @@ class HostBackend final : public StreamBackend {
   void release_mark(uint64_t mark) override { cpu_.release_mark(mark); }
 
  private:
-  std::unique_ptr<Buffer> counted(uint64_t bytes, uint64_t& held);
+  struct Held {
+    uint64_t device = 0, host = 0;
+  };
+  class CountedBuffer;
+  std::unique_ptr<Buffer> counted(uint64_t bytes, bool device);
   collective::CpuBackend cpu_;
   uint64_t cap_;
-  uint64_t device_ = 0, host_ = 0;
+  // Shared with the buffers, which give their bytes back when freed (they may outlive
+  // the backend).
+  std::shared_ptr<Held> held_ = std::make_shared<Held>();
   nccl::Stream stream_ = nullptr;
 };
 

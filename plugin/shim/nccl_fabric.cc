@@ -68,6 +68,8 @@ void NcclFabric::finish(nccl::Result result, const char* operation, const std::s
 void NcclFabric::begin(const char* operation) {
   if (broken_) throw FabricError(std::string("NCCL fabric ") + operation + ": broken by an earlier error: " +
                                  broken_reason_);
+  if (abandoned_ && abandoned_->load(std::memory_order_acquire))
+    fail(std::string("NCCL fabric ") + operation + ": the communicator is being aborted or destroyed");
   nccl::Result async = nccl::kSuccess;
   check(api_.comm_get_async_error(comm_, &async), operation, "ncclCommGetAsyncError");
   if (async == nccl::kInProgress) settle(operation);
@@ -82,6 +84,8 @@ void NcclFabric::begin(const char* operation) {
 void NcclFabric::settle(const char* operation) {
   const auto deadline = std::chrono::steady_clock::now() + timeout_;
   for (unsigned spins = 0;; ++spins) {
+    if (abandoned_ && abandoned_->load(std::memory_order_acquire))
+      fail(std::string("NCCL fabric ") + operation + ": the communicator is being aborted or destroyed");
     nccl::Result async = nccl::kSuccess;
     check(api_.comm_get_async_error(comm_, &async), operation, "ncclCommGetAsyncError");
     if (async == nccl::kSuccess) return;

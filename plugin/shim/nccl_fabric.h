@@ -18,7 +18,10 @@
 //    then distributes it, in ring, tree and NVLS alike) but does not promise rank order.
 //    The engine only sums statistics this way, and compares the assignments ranks derive
 //    from them before switching, so a difference could only make ranks pass through.
-//  - Waits: nothing here waits for data. A non-blocking communicator's group may answer
+//  - Waits: nothing here waits for data, so a dead peer is noticed where NCCL notices it
+//    (its own timeouts, the framework's watchdog), not within LGRECO_TIMEOUT; and the
+//    engine's host waits for read-backs (configuration agreement, window ends) last as
+//    long as the stream takes. A non-blocking communicator's group may answer
 //    ncclInProgress; the fabric then polls ncclCommGetAsyncError until the group is
 //    enqueued, at most the timeout.
 //  - abort() breaks this fabric only. It never aborts the user's communicator: the
@@ -29,6 +32,7 @@
 //    each operation through ncclCommGetAsyncError, and become FabricError.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <string>
 
@@ -45,6 +49,10 @@ class NcclFabric final : public collective::Fabric {
 
   // The stream of the next operations (each call's own stream).
   void set_stream(nccl::Stream stream) { stream_ = stream; }
+  // A flag another thread sets when the communicator is being aborted or destroyed: the
+  // fabric then makes no further NCCL call on it and throws FabricError (it never
+  // outlives the flag's owner).
+  void set_abandoned_flag(const std::atomic<bool>* flag) { abandoned_ = flag; }
 
   int rank() const override { return rank_; }
   int size() const override { return size_; }
@@ -72,6 +80,7 @@ class NcclFabric final : public collective::Fabric {
   int rank_, size_;
   std::chrono::milliseconds timeout_;
   nccl::Stream stream_ = nullptr;
+  const std::atomic<bool>* abandoned_ = nullptr;
   bool broken_ = false;
   std::string broken_reason_;
   collective::FabricCounters counters_;

@@ -49,6 +49,7 @@ constexpr const char kCommError[] = "the communicator reports an error";
 constexpr const char kOp[] = "a reduction other than sum or avg";
 constexpr const char kType[] = "an element type other than float32, float16 or bfloat16";
 constexpr const char kSmall[] = "smaller than LGRECO_MIN_BYTES";
+constexpr const char kTiny[] = "smaller than 4 KiB (before the configuration exchange)";
 constexpr const char kNoBuffer[] = "a null buffer";
 
 }  // namespace
@@ -56,8 +57,15 @@ constexpr const char kNoBuffer[] = "a null buffer";
 struct Shim::CommState {
   nccl::Comm comm = nullptr;
   int rank = 0, size = 1, device = 0;
-  enum class Agreement : uint8_t { kPending, kAgreed, kPassThrough } agreement = Agreement::kPending;
-  std::string pass_reason;  // kPassThrough: why, for the counters
+  enum class Agreement : uint8_t {
+    kPending,      // not yet exchanged
+    kAgreed,       // the ranks agree: calls may be compressed
+    kPassThrough,  // every rank passes this communicator's calls through
+    kBroken,       // this rank failed where peers may be waiting: calls return errors
+  } agreement = Agreement::kPending;
+  std::string pass_reason;  // kPassThrough: why; kBroken: the error
+  // Set by abort/destroy from any thread; a call in flight stops at its next NCCL call.
+  std::atomic<bool> abandoned{false};
   std::unique_ptr<config::BucketMatcher> matcher;
   std::unique_ptr<StreamBackend> backend;
   std::unique_ptr<NcclFabric> fabric;
@@ -65,8 +73,17 @@ struct Shim::CommState {
   uint64_t engine_generation = 0;  // the matcher's pattern the engine was built for
   std::vector<int> engine_bucket;  // matcher bucket -> engine bucket, -1: passes through
   bool memory_reported = false;
+  mutable std::mutex counters_mutex;  // counters: written by the calling thread, read by any
   CommCounters counters;
-  std::string last_error;
+
+  void count(uint64_t CommCounters::*field, uint64_t n = 1) {
+    std::lock_guard<std::mutex> lock(counters_mutex);
+    counters.*field += n;
+  }
+  CommCounters snapshot() const {
+    std::lock_guard<std::mutex> lock(counters_mutex);
+    return counters;
+  }
 };
 
 struct Shim::GroupState {
@@ -94,17 +111,21 @@ Shim::Shim(const NcclApi& api, std::unique_ptr<DeviceRuntime> runtime, Options o
     : api_(api), runtime_(std::move(runtime)), options_(std::move(options)), id_(g_next_shim_id++) {
   const config::Params& p = options_.params;
   const int v = options_.nccl_version;
+  // Only what every rank of a job shares may skip the configuration exchange: the NCCL
+  // they all load, and an explicit LGRECO_MODE=off. Invalid parameters take part in it
+  // (as "cannot compress"), so that every rank passes through together.
   if (v < kOldestSupportedNccl || v >= kFirstUnsupportedNccl)
     disabled_ = "NCCL " + std::to_string(v) + " is not a version lgreco supports (2.12 to 2.x)";
-  else if (p.effective_mode() == config::Mode::kOff)
-    disabled_ = p.valid() ? "LGRECO_MODE=off" : "invalid LGRECO_* parameters: " + p.errors.front();
+  else if (p.valid() && p.mode == config::Mode::kOff)
+    disabled_ = "LGRECO_MODE=off";
   if (!disabled_.empty()) {
-    if (p.valid() && p.effective_mode() == config::Mode::kOff)
+    if (p.valid() && p.mode == config::Mode::kOff)
       LGRECO_INFO("SHIM", "every allreduce goes to NCCL untouched: %s", disabled_.c_str());
     else
       LGRECO_WARN("SHIM", "every allreduce goes to NCCL untouched: %s", disabled_.c_str());
     return;
   }
+  if (!p.valid()) local_problem_ = "invalid LGRECO_* parameters: " + p.errors.front();
   // What every rank must share: the engine's settings, the registration's bytes and
   // lgreco's version (paths, logging and timeouts may differ).
   config_text_ = std::string("lgreco ") + version_string() + "; " +
@@ -115,7 +136,7 @@ Shim::Shim(const NcclApi& api, std::unique_ptr<DeviceRuntime> runtime, Options o
     try {
       registration_ = std::make_shared<const config::Registration>(config::load_registration(p.registration));
     } catch (const std::exception& e) {
-      registration_problem_ = e.what();
+      if (local_problem_.empty()) local_problem_ = std::string("the registration: ") + e.what();
       LGRECO_WARN("SHIM", "cannot use the registration: %s; every rank will pass allreduce calls through",
                   e.what());
     }
@@ -136,21 +157,24 @@ Shim::GroupState& Shim::group() {
 // ---------------------------------------------------------------------------------------
 // Communicators
 
-Shim::CommState* Shim::state_of(nccl::Comm comm) {
+Shim::StatePtr Shim::state_of(nccl::Comm comm) {
+  // The last communicator this thread used, without a lock: valid while no state went
+  // since (generation_), and a weak reference, so it never keeps a gone state alive.
   struct Cache {
     uint64_t shim = 0, generation = 0;
     nccl::Comm comm = nullptr;
-    CommState* state = nullptr;
+    std::weak_ptr<CommState> state;
   };
   thread_local Cache cache;
   const uint64_t generation = generation_.load(std::memory_order_acquire);
-  if (cache.shim == id_ && cache.comm == comm && cache.generation == generation) return cache.state;
+  if (cache.shim == id_ && cache.comm == comm && cache.generation == generation)
+    if (StatePtr s = cache.state.lock()) return s;
   if (!comm) return nullptr;
 
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = comms_.find(comm);
   if (it == comms_.end()) {
-    auto s = std::make_unique<CommState>();
+    auto s = std::make_shared<CommState>();
     s->comm = comm;
     if (api_.comm_user_rank(comm, &s->rank) != nccl::kSuccess || api_.comm_count(comm, &s->size) != nccl::kSuccess ||
         api_.comm_cu_device(comm, &s->device) != nccl::kSuccess)
@@ -163,12 +187,15 @@ Shim::CommState* Shim::state_of(nccl::Comm comm) {
                 s->size, s->device);
     it = comms_.emplace(comm, std::move(s)).first;
   }
-  cache = Cache{id_, generation, comm, it->second.get()};
-  return cache.state;
+  cache.shim = id_;
+  cache.generation = generation_.load(std::memory_order_acquire);
+  cache.comm = comm;
+  cache.state = it->second;
+  return it->second;
 }
 
-std::unique_ptr<Shim::CommState> Shim::release_state(nccl::Comm comm) {
-  std::unique_ptr<CommState> s;
+Shim::StatePtr Shim::detach_state(nccl::Comm comm) {
+  StatePtr s;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = comms_.find(comm);
@@ -177,22 +204,23 @@ std::unique_ptr<Shim::CommState> Shim::release_state(nccl::Comm comm) {
     comms_.erase(it);
     generation_.fetch_add(1, std::memory_order_acq_rel);
   }
+  s->abandoned.store(true, std::memory_order_release);
   retire(*s, "destroyed");
-  return s;
+  return s;  // freed when the last reference goes: here, or a call in flight elsewhere
 }
 
 void Shim::retire(CommState& s, const char* why) {
-  LGRECO_INFO("SHIM", "%s (communicator %p %s)", summary_line(s.rank, s.size, s.counters).c_str(),
+  const CommCounters c = s.snapshot();
+  LGRECO_INFO("SHIM", "%s (communicator %p %s)", summary_line(s.rank, s.size, c).c_str(),
               static_cast<void*>(s.comm), why);
-  if (!s.counters.pass_reasons.empty() && log::enabled(log::Level::kInfo)) {
+  if (!c.pass_reasons.empty() && log::enabled(log::Level::kInfo)) {
     std::string reasons;
-    for (const auto& [reason, n] : s.counters.pass_reasons)
+    for (const auto& [reason, n] : c.pass_reasons)
       reasons += (reasons.empty() ? "" : "; ") + reason + " (" + std::to_string(n) + ")";
     LGRECO_INFO("SHIM", "lgreco shim: rank %d/%d passed calls through because: %s", s.rank, s.size, reasons.c_str());
   }
   std::lock_guard<std::mutex> lock(mutex_);
   CommCounters& r = retired_;
-  const CommCounters& c = s.counters;
   r.calls += c.calls;
   r.compressed += c.compressed;
   r.passed_through += c.passed_through;
@@ -203,44 +231,67 @@ void Shim::retire(CommState& s, const char* why) {
 }
 
 nccl::Result Shim::comm_destroy(nccl::Comm comm) {
-  release_state(comm);  // frees lgreco's buffers while the communicator still exists
+  // lgreco's buffers go while the communicator still exists (unless a call in flight on
+  // another thread still holds them: then when it returns).
+  detach_state(comm).reset();
   return api_.comm_destroy(comm);
 }
 
 nccl::Result Shim::comm_finalize(nccl::Comm comm) {
-  release_state(comm);
+  detach_state(comm).reset();
   return api_.comm_finalize ? api_.comm_finalize(comm) : nccl::kInvalidUsage;
 }
 
 nccl::Result Shim::comm_abort(nccl::Comm comm) {
-  // NCCL first: it stops kernels that may wait on a dead peer, which freeing lgreco's
-  // device memory would otherwise wait for.
+  // Out of the table first, so that a communicator NCCL creates with the same handle
+  // starts afresh; then NCCL's abort, which stops kernels that may wait on a dead peer
+  // (freeing lgreco's device memory before it could wait for them).
+  StatePtr s = detach_state(comm);
   const nccl::Result r = api_.comm_abort(comm);
-  release_state(comm);
+  s.reset();
   return r;
 }
 
+void Shim::record_error(CommState* s, const std::string& message) {
+  if (s) s->count(&CommCounters::errors);
+  const char* nccl_now = api_.get_last_error ? api_.get_last_error(s ? s->comm : nullptr) : nullptr;
+  std::lock_guard<std::mutex> lock(mutex_);
+  last_error_ = message;
+  nccl_error_then_ = nccl_now ? nccl_now : "";
+}
+
 const char* Shim::last_error(nccl::Comm comm) {
-  if (comm) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto it = comms_.find(comm);
-    if (it != comms_.end() && !it->second->last_error.empty()) return it->second->last_error.c_str();
-  }
-  return api_.get_last_error ? api_.get_last_error(comm) : "";
+  // A copy per thread: the text stays valid until this thread asks again, whatever other
+  // threads do meanwhile.
+  thread_local std::string text;
+  const char* nccl_now = api_.get_last_error ? api_.get_last_error(comm) : nullptr;
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!last_error_.empty() && nccl_error_then_ == (nccl_now ? nccl_now : "")) text = last_error_;
+  else text = nccl_now ? nccl_now : "";
+  return text.c_str();
 }
 
 std::optional<CommCounters> Shim::counters(nccl::Comm comm) const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  auto it = comms_.find(comm);
-  if (it == comms_.end()) return std::nullopt;
-  return it->second->counters;
+  StatePtr s;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = comms_.find(comm);
+    if (it == comms_.end()) return std::nullopt;
+    s = it->second;
+  }
+  return s->snapshot();
 }
 
 CommCounters Shim::total_counters() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  CommCounters t = retired_;
-  for (const auto& [comm, s] : comms_) {
-    const CommCounters& c = s->counters;
+  std::vector<StatePtr> live;
+  CommCounters t;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    t = retired_;
+    for (const auto& [comm, s] : comms_) live.push_back(s);
+  }
+  for (const StatePtr& s : live) {
+    const CommCounters c = s->snapshot();
     t.calls += c.calls;
     t.compressed += c.compressed;
     t.passed_through += c.passed_through;
@@ -254,10 +305,14 @@ CommCounters Shim::total_counters() const {
 
 void Shim::log_summaries() const {
   if (!log::enabled(log::Level::kInfo)) return;
-  std::lock_guard<std::mutex> lock(mutex_);
-  for (const auto& [comm, s] : comms_)
-    LGRECO_INFO("SHIM", "%s (communicator %p at exit)", summary_line(s->rank, s->size, s->counters).c_str(),
-                static_cast<void*>(comm));
+  std::vector<StatePtr> live;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& [comm, s] : comms_) live.push_back(s);
+  }
+  for (const StatePtr& s : live)
+    LGRECO_INFO("SHIM", "%s (communicator %p at exit)", summary_line(s->rank, s->size, s->snapshot()).c_str(),
+                static_cast<void*>(s->comm));
 }
 
 // ---------------------------------------------------------------------------------------
@@ -278,8 +333,12 @@ void Shim::note_other_operation() {
     const Call deferred = *g.deferred;
     g.deferred.reset();
     // In the group, before the new operation: the user's order.
-    if (CommState* s = state_of(deferred.comm)) ++s->counters.calls, void(pass(s, deferred, kInGroup));
-    else forward(deferred);
+    if (StatePtr s = state_of(deferred.comm)) {
+      s->count(&CommCounters::calls);
+      pass(s.get(), deferred, kInGroup);
+    } else {
+      forward(deferred);
+    }
   }
 }
 
@@ -316,17 +375,34 @@ nccl::Result Shim::forward(const Call& c) {
 
 nccl::Result Shim::pass(CommState* s, const Call& call, const char* reason) {
   if (s) {
-    ++s->counters.passed_through;
-    auto& reasons = s->counters.pass_reasons;
-    auto it = reasons.find(std::string_view(reason));
-    if (it == reasons.end()) {
+    bool first = false;
+    {
+      std::lock_guard<std::mutex> lock(s->counters_mutex);
+      ++s->counters.passed_through;
+      auto& reasons = s->counters.pass_reasons;
+      auto it = reasons.find(std::string_view(reason));
+      if (it == reasons.end()) {
+        first = true;
+        it = reasons.emplace(reason, 0).first;
+      }
+      ++it->second;
+    }
+    if (first)
       LGRECO_INFO("SHIM", "rank %d/%d: an allreduce of %zu elements passes through: %s (logged once per reason)",
                   s->rank, s->size, call.count, reason);
-      it = reasons.emplace(reason, 0).first;
-    }
-    ++it->second;
   }
   return forward(call);
+}
+
+nccl::Result Shim::fail(CommState& s, const std::string& message) {
+  if (s.agreement != CommState::Agreement::kBroken) {
+    s.agreement = CommState::Agreement::kBroken;
+    s.pass_reason = message;
+    LGRECO_WARN("SHIM", "rank %d/%d: %s; this communicator's allreduce calls return ncclInternalError from now on",
+                s.rank, s.size, message.c_str());
+  }
+  record_error(&s, "lgreco: " + message);
+  return nccl::kInternalError;
 }
 
 const char* Shim::static_reason(const Call& c) const {
@@ -351,126 +427,147 @@ nccl::Result Shim::all_reduce(const void* send, void* recv, size_t count, nccl::
       return nccl::kSuccess;
     }
     note_other_operation();
-    CommState* s = state_of(comm);
-    if (s) ++s->counters.calls;
-    return pass(s, call, kInGroup);
+    StatePtr s = state_of(comm);
+    if (s) s->count(&CommCounters::calls);
+    return pass(s.get(), call, kInGroup);
   }
   return dispatch(call);
 }
 
 nccl::Result Shim::dispatch(const Call& call) {
+  // Held for the whole call: an abort or destroy on another thread cannot free the
+  // state under it.
+  const StatePtr s = state_of(call.comm);
+  if (!s) return forward(call);
   try {
-    CommState* s = state_of(call.comm);
-    if (!s) return forward(call);
-    ++s->counters.calls;
-    // After the agreement the ranks share every setting, so the cheap static checks come
-    // first; before it, only what the application does alike on every rank may decide.
-    const bool agreed = s->agreement != CommState::Agreement::kPending;
-    const char* reason = agreed ? static_reason(call) : "";
-    if (*reason) return pass(s, call, reason);
-    if (s->agreement == CommState::Agreement::kPassThrough) return pass(s, call, s->pass_reason.c_str());
-
-    if (s->size <= 1) return pass(s, call, kOneRank);
-    std::string capture_error;
-    if (runtime_->capturing(call.stream, &capture_error)) {
-      if (capture_error.empty()) return pass(s, call, kCapturing);
-      LGRECO_WARN_ONCE("SHIM", "capture query", "cannot tell whether a stream is being captured (%s); such calls "
-                       "pass through", capture_error.c_str());
-      return pass(s, call, kCaptureUnknown);
-    }
-    nccl::Result async = nccl::kSuccess;
-    if (api_.comm_get_async_error(call.comm, &async) != nccl::kSuccess) async = nccl::kInternalError;
-    if (async == nccl::kInProgress) return pass(s, call, kInProgress);
-    if (async != nccl::kSuccess) return pass(s, call, kCommError);
-
-    if (s->agreement == CommState::Agreement::kPending) {
-      agree(*s, call);
-      if (!s->last_error.empty() && s->agreement == CommState::Agreement::kPassThrough) {
-        ++s->counters.errors;
-        return nccl::kInternalError;
-      }
-      if (s->agreement == CommState::Agreement::kPassThrough) return pass(s, call, s->pass_reason.c_str());
-      if (*(reason = static_reason(call))) return pass(s, call, reason);
-    }
-
-    DType dtype = DType::kFloat32;
-    compressible_dtype(call.dtype, &dtype);
-    const config::Match m = s->matcher->match({reinterpret_cast<uintptr_t>(call.recv), call.count, dtype});
-    if (m.kind == config::Match::Kind::kPassThrough) return pass(s, call, m.reason);
-    if (!ensure_engine(*s, m)) return pass(s, call, s->pass_reason.c_str());
-    const int bucket = m.bucket < s->engine_bucket.size() ? s->engine_bucket[m.bucket] : -1;
-    if (bucket < 0) return pass(s, call, "no layout for this buffer");
-
-    s->backend->set_stream(call.stream);
-    s->fabric->set_stream(call.stream);
-    EngineCall ec;
-    ec.bucket = static_cast<uint32_t>(bucket);
-    ec.step = m.step;
-    ec.send = call.send;
-    ec.recv = call.recv;
-    ec.count = call.count;
-    ec.dtype = dtype;
-    ec.op = call.op == nccl::kAvg ? collective::ReduceOp::kAvg : collective::ReduceOp::kSum;
-    ec.new_address = m.new_address;
-    const uint64_t sent_before = s->engine->counters().wire_bytes_sent;
-    const CallOutcome outcome = s->engine->allreduce(ec);
-    switch (outcome.kind) {
-      case CallOutcome::Kind::kDone:
-        ++s->counters.compressed;
-        s->counters.gradient_bytes += call.count * dtype_size(dtype);
-        s->counters.bytes_sent += s->engine->counters().wire_bytes_sent - sent_before;
-        if (!s->memory_reported) {
-          s->memory_reported = true;
-          LGRECO_INFO("SHIM", "rank %d/%d: compressing; lgreco holds %.1f MiB of device memory (error-feedback "
-                      "residuals, staging, statistics) and %.1f KiB of pinned host memory on this communicator "
-                      "(LGRECO_MAX_MEMORY=%llu, 0: no cap)",
-                      s->rank, s->size, s->backend->device_bytes() / 1048576.0, s->backend->host_bytes() / 1024.0,
-                      static_cast<unsigned long long>(options_.params.max_memory));
-        }
-        return nccl::kSuccess;
-      case CallOutcome::Kind::kPassThrough:
-        return pass(s, call, "the engine passes this communicator through (its WARN says why)");
-      case CallOutcome::Kind::kError:
-        ++s->counters.errors;
-        s->last_error = outcome.message;
-        return nccl::kInternalError;
-    }
-    return nccl::kInternalError;
+    return dispatch_on(*s, call);
   } catch (const std::exception& e) {
-    // Nothing above throws by design; if something does, this call may have queued work
-    // to peers, so it cannot quietly pass through.
-    LGRECO_WARN("SHIM", "unexpected error in lgreco's allreduce: %s", e.what());
-    if (CommState* s = state_of(call.comm)) {
-      s->last_error = std::string("lgreco: ") + e.what();
-      s->agreement = CommState::Agreement::kPassThrough;
-      s->pass_reason = "an earlier unexpected error";
-    }
-    return nccl::kInternalError;
+    // Nothing in dispatch_on throws by design; if something does, this call may have
+    // queued work to peers, so it cannot quietly pass through.
+    return fail(*s, std::string("unexpected error: ") + e.what());
   }
 }
 
-// All ranks of the communicator exchange a digest of their configuration and whether
-// they can compress; any difference makes every rank pass through (shim.h).
-void Shim::agree(CommState& s, const Call& call) {
-  auto give_up = [&](std::string reason, bool warn) {
-    s.agreement = CommState::Agreement::kPassThrough;
-    s.pass_reason = std::move(reason);
-    if (warn)
-      LGRECO_WARN("SHIM", "rank %d/%d: every allreduce of communicator %p passes through: %s", s.rank, s.size,
-                  static_cast<void*>(s.comm), s.pass_reason.c_str());
-  };
-  if (s.size <= 1) return give_up("one rank: nothing to exchange", false);
+nccl::Result Shim::dispatch_on(CommState& s, const Call& call) {
+  s.count(&CommCounters::calls);
+  using Agreement = CommState::Agreement;
+  if (s.agreement == Agreement::kBroken) {
+    record_error(&s, "lgreco: an earlier failure on this communicator: " + s.pass_reason);
+    return nccl::kInternalError;
+  }
+  // Before the agreement only what NCCL already requires to be the same on every rank
+  // (the op, the type, the count) and what the application does alike (groups, capture)
+  // may decide; after it, every setting is shared and the cheap checks come first.
+  const char* reason = "";
+  if (s.agreement == Agreement::kPending) {
+    DType dtype = DType::kFloat32;
+    if (call.op != nccl::kSum && call.op != nccl::kAvg) reason = kOp;
+    else if (!compressible_dtype(call.dtype, &dtype)) reason = kType;
+    else if (call.count * dtype_size(dtype) < kAgreementFloorBytes) reason = kTiny;
+  } else {
+    reason = static_reason(call);
+  }
+  if (*reason) return pass(&s, call, reason);
+  if (s.agreement == Agreement::kPassThrough) return pass(&s, call, s.pass_reason.c_str());
+  if (s.size <= 1) return pass(&s, call, kOneRank);
 
-  std::string problem = registration_problem_;
+  std::string capture_error;
+  if (runtime_->capturing(call.stream, &capture_error)) {
+    if (capture_error.empty()) return pass(&s, call, kCapturing);
+    LGRECO_WARN_ONCE("SHIM", "capture query", "cannot tell whether a stream is being captured (%s); such calls "
+                     "pass through", capture_error.c_str());
+    return pass(&s, call, kCaptureUnknown);
+  }
+  nccl::Result async = nccl::kSuccess;
+  if (api_.comm_get_async_error(call.comm, &async) != nccl::kSuccess) async = nccl::kInternalError;
+  if (async == nccl::kInProgress) return pass(&s, call, kInProgress);
+  if (async != nccl::kSuccess) return pass(&s, call, kCommError);
+
+  if (s.agreement == Agreement::kPending) {
+    agree(s, call);
+    if (s.agreement == Agreement::kBroken) {
+      record_error(&s, "lgreco: " + s.pass_reason);
+      return nccl::kInternalError;
+    }
+    if (s.agreement == Agreement::kPassThrough) return pass(&s, call, s.pass_reason.c_str());
+    if (*(reason = static_reason(call))) return pass(&s, call, reason);
+  }
+
+  DType dtype = DType::kFloat32;
+  compressible_dtype(call.dtype, &dtype);
+  const config::Match m = s.matcher->match({reinterpret_cast<uintptr_t>(call.recv), call.count, dtype});
+  if (m.kind == config::Match::Kind::kPassThrough) return pass(&s, call, m.reason);
+  if (!ensure_engine(s, m)) return fail(s, s.pass_reason);
+  const int bucket = m.bucket < s.engine_bucket.size() ? s.engine_bucket[m.bucket] : -1;
+  if (bucket < 0) return pass(&s, call, "no layout for this buffer");
+
+  s.backend->set_stream(call.stream);
+  s.fabric->set_stream(call.stream);
+  EngineCall ec;
+  ec.bucket = static_cast<uint32_t>(bucket);
+  ec.step = m.step;
+  ec.send = call.send;
+  ec.recv = call.recv;
+  ec.count = call.count;
+  ec.dtype = dtype;
+  ec.op = call.op == nccl::kAvg ? collective::ReduceOp::kAvg : collective::ReduceOp::kSum;
+  ec.new_address = m.new_address;
+  const uint64_t sent_before = s.engine->counters().wire_bytes_sent;
+  const CallOutcome outcome = s.engine->allreduce(ec);
+  switch (outcome.kind) {
+    case CallOutcome::Kind::kDone: {
+      std::lock_guard<std::mutex> lock(s.counters_mutex);
+      ++s.counters.compressed;
+      s.counters.gradient_bytes += call.count * dtype_size(dtype);
+      s.counters.bytes_sent += s.engine->counters().wire_bytes_sent - sent_before;
+    }
+      if (!s.memory_reported) {
+        s.memory_reported = true;
+        LGRECO_INFO("SHIM", "rank %d/%d: compressing; lgreco holds %.1f MiB of device memory (error-feedback "
+                    "residuals, staging, statistics) and %.1f KiB of pinned host memory on this communicator "
+                    "(LGRECO_MAX_MEMORY=%llu, 0: no cap)",
+                    s.rank, s.size, s.backend->device_bytes() / 1048576.0, s.backend->host_bytes() / 1024.0,
+                    static_cast<unsigned long long>(options_.params.max_memory));
+      }
+      return nccl::kSuccess;
+    case CallOutcome::Kind::kPassThrough:
+      return pass(&s, call, "the engine passes this communicator through (its WARN says why)");
+    case CallOutcome::Kind::kError:
+      record_error(&s, outcome.message);
+      return nccl::kInternalError;
+  }
+  return nccl::kInternalError;
+}
+
+// All ranks of the communicator exchange a digest of their configuration and whether
+// they can compress; any difference makes every rank pass through (shim.h). Everything
+// that can fail locally is done before anything is queued: a rank that then cannot take
+// part is broken (its calls return errors), never quietly passing through while its
+// peers wait in the exchange.
+void Shim::agree(CommState& s, const Call& call) {
+  using Agreement = CommState::Agreement;
+  auto broken = [&](std::string why) {
+    s.agreement = Agreement::kBroken;
+    s.pass_reason = std::move(why);
+    LGRECO_WARN("SHIM", "rank %d/%d: %s; this communicator's allreduce calls return ncclInternalError", s.rank,
+                s.size, s.pass_reason.c_str());
+  };
+  std::string problem = local_problem_;
+  std::unique_ptr<collective::Backend::Buffer> device_buffer, host_buffer;
   try {
     s.backend = runtime_->create_backend(s.device, options_.params.max_memory);
+    if (problem.empty()) problem = s.backend->unusable_reason();
+    device_buffer = s.backend->allocate(sizeof(AgreementRecord) * (s.size + 1));
+    // Pinned, so that the copy back is queued and the wait below is ours (a copy to
+    // pageable memory would block inside CUDA).
+    host_buffer = s.backend->allocate_host(sizeof(AgreementRecord) * s.size);
   } catch (const std::exception& e) {
-    // Without device memory this rank cannot even take part in the exchange; its peers
-    // will wait for it in vain (their NCCL timeout reports it).
-    return give_up(std::string("cannot use CUDA device ") + std::to_string(s.device) + ": " + e.what(), true);
+    return broken("cannot take part in lgreco's configuration exchange (CUDA device " + std::to_string(s.device) +
+                  "): " + e.what());
   }
   const std::chrono::milliseconds timeout(options_.params.timeout_seconds * 1000);
   s.fabric = std::make_unique<NcclFabric>(api_, s.comm, s.rank, s.size, timeout);
+  s.fabric->set_abandoned_flag(&s.abandoned);
   s.backend->set_stream(call.stream);
   s.fabric->set_stream(call.stream);
 
@@ -478,30 +575,35 @@ void Shim::agree(CommState& s, const Call& call) {
                              static_cast<uint32_t>(s.rank)};
   std::vector<AgreementRecord> all(s.size);
   try {
-    auto buffer = s.backend->allocate(sizeof(AgreementRecord) * (s.size + 1));
-    auto* device = static_cast<uint8_t*>(buffer->data());
+    auto* device = static_cast<uint8_t*>(device_buffer->data());
     s.backend->upload(device, &mine, sizeof mine);
     const std::vector<uint64_t> bytes(s.size, sizeof(AgreementRecord));
     s.fabric->all_gather_v(device, bytes, device + sizeof(AgreementRecord));
-    // Pinned, so that the copy is queued and the wait below is ours, bounded (a copy to
-    // pageable memory would block inside CUDA until the peers arrived, if ever).
-    auto host = s.backend->allocate_host(sizeof(AgreementRecord) * s.size);
-    auto ready = s.backend->read_back(host->data(), device + sizeof(AgreementRecord), host->bytes());
-    const auto deadline = std::chrono::steady_clock::now() + timeout;
-    while (!ready->ready()) {
-      if (std::chrono::steady_clock::now() > deadline)
-        throw collective::FabricError("the ranks did not all join lgreco's configuration exchange within "
-                                      "LGRECO_TIMEOUT (is LD_PRELOAD, or LGRECO_MODE=off, set on only some ranks?)");
+    auto ready = s.backend->read_back(host_buffer->data(), device + sizeof(AgreementRecord), host_buffer->bytes());
+    // As long as NCCL would wait for a missing peer (the framework's watchdog bounds
+    // that), saying so every LGRECO_TIMEOUT; an abort from another thread ends it.
+    auto next_warning = std::chrono::steady_clock::now() + timeout;
+    for (int warnings = 0; !ready->ready();) {
+      if (s.abandoned.load(std::memory_order_acquire))
+        throw collective::FabricError("the communicator was aborted or destroyed during the exchange");
+      if (std::chrono::steady_clock::now() > next_warning) {
+        LGRECO_WARN("SHIM", "rank %d/%d: still waiting after %d s for the other ranks to join lgreco's "
+                    "configuration exchange (is LD_PRELOAD, or LGRECO_MODE=off, set on only some ranks?)",
+                    s.rank, s.size, static_cast<int>((++warnings) * timeout.count() / 1000));
+        next_warning += timeout;
+      }
       std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
-    memcpy(all.data(), host->data(), host->bytes());
-  } catch (const std::bad_alloc&) {
-    return give_up("cannot allocate the configuration exchange's buffer (LGRECO_MAX_MEMORY?)", true);
+    memcpy(all.data(), host_buffer->data(), host_buffer->bytes());
   } catch (const std::exception& e) {
-    s.last_error = std::string("lgreco: configuration exchange failed: ") + e.what();
-    LGRECO_WARN("SHIM", "rank %d/%d: %s", s.rank, s.size, s.last_error.c_str());
-    return give_up("the configuration exchange failed", false);
+    return broken(std::string("configuration exchange failed: ") + e.what());
   }
+  auto give_up = [&](std::string reason) {
+    s.agreement = Agreement::kPassThrough;
+    s.pass_reason = std::move(reason);
+    LGRECO_WARN("SHIM", "rank %d/%d: every allreduce of communicator %p passes through: %s", s.rank, s.size,
+                static_cast<void*>(s.comm), s.pass_reason.c_str());
+  };
   std::string differ, unable;
   for (int r = 0; r < s.size; ++r) {
     if (all[r].config_digest != all[0].config_digest) differ += (differ.empty() ? "" : ", ") + std::to_string(r);
@@ -509,12 +611,10 @@ void Shim::agree(CommState& s, const Call& call) {
   }
   if (!differ.empty())
     return give_up("the LGRECO_* parameters, registration or lgreco version of rank(s) " + differ +
-                       " differ from rank 0's",
-                   true);
+                   " differ from rank 0's");
   if (!unable.empty())
-    return give_up("rank(s) " + unable + " cannot compress" + (problem.empty() ? "" : " (here: " + problem + ")"),
-                   true);
-  s.agreement = CommState::Agreement::kAgreed;
+    return give_up("rank(s) " + unable + " cannot compress" + (problem.empty() ? "" : " (here: " + problem + ")"));
+  s.agreement = Agreement::kAgreed;
   LGRECO_INFO("SHIM", "rank %d/%d: the ranks of communicator %p agree on lgreco's configuration", s.rank, s.size,
               static_cast<void*>(s.comm));
 }
@@ -522,7 +622,8 @@ void Shim::agree(CommState& s, const Call& call) {
 // The engine of the matcher's current pattern: one for the registration's buckets, or
 // (auto mode) one per learned pattern. A layout the engine rejects still gets an engine,
 // marked invalid, so that this rank joins the engine's own agreement and every rank
-// passes through together.
+// passes through together. Returns false (s.pass_reason says why) when not even that
+// engine can be made: the communicator is then broken.
 bool Shim::ensure_engine(CommState& s, const config::Match& match) {
   const bool registered = match.kind == config::Match::Kind::kRegistered;
   if (s.engine && (registered || s.engine_generation == s.matcher->pattern_generation())) return true;
@@ -548,11 +649,19 @@ bool Shim::ensure_engine(CommState& s, const config::Match& match) {
   s.engine_generation = s.matcher->pattern_generation();
   s.memory_reported = false;
   try {
-    s.engine = std::make_unique<Engine>(options, std::move(buckets), *s.fabric, *s.backend);
+    try {
+      s.engine = std::make_unique<Engine>(options, std::move(buckets), *s.fabric, *s.backend);
+    } catch (const std::invalid_argument& e) {
+      options.valid = false;
+      options.invalid_reason = std::string("the buckets' layouts: ") + e.what();
+      s.engine = std::make_unique<Engine>(options, std::vector<collective::BucketLayout>{}, *s.fabric, *s.backend);
+    }
+  } catch (const std::bad_alloc&) {
+    s.pass_reason = "cannot allocate the engine's agreement buffer (LGRECO_MAX_MEMORY?)";
+    return false;
   } catch (const std::exception& e) {
-    options.valid = false;
-    options.invalid_reason = std::string("the buckets' layouts: ") + e.what();
-    s.engine = std::make_unique<Engine>(options, std::vector<collective::BucketLayout>{}, *s.fabric, *s.backend);
+    s.pass_reason = std::string("cannot make the engine: ") + e.what();
+    return false;
   }
   return true;
 }

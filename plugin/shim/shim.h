@@ -25,24 +25,35 @@
 // Agreement. Every filter above must give the same answer on every rank, or one rank
 // would run the compressed exchange while another calls NCCL's allreduce: mismatched
 // collectives. They do when every rank has the same parameters and registration. So at a
-// communicator's first allreduce outside a group and outside capture, before anything
-// else, its ranks all-gather a digest of their configuration (lgreco version, parameters,
-// registration, local problems such as an unusable device); any difference makes every
-// rank pass that communicator's calls through for good, with one WARN naming the ranks.
-// LGRECO_MODE=off skips even that (it must then be set on every rank).
+// communicator's first allreduce that could ever be compressed (sum or avg of a float
+// type, at least kAgreementFloorBytes: what NCCL already requires to be the same on every
+// rank), outside a group and outside capture, its ranks all-gather a digest of their
+// configuration (lgreco version, parameters, registration) and whether they can compress
+// (valid parameters, a usable device). Any difference makes every rank pass that
+// communicator's calls through for good, with one WARN naming the ranks. The exchange
+// waits for the peers as long as NCCL would (the framework's watchdog bounds it), with a
+// WARN every LGRECO_TIMEOUT. Only what cannot differ between the ranks of one job skips
+// it: an unsupported NCCL, and LGRECO_MODE=off (which must then be set on every rank).
 //
-// Failures after data was queued to peers (a dead peer, a broken connection) return
-// ncclInternalError with the engine's message, which ncclGetLastError then reports.
+// Failures. A rank that cannot even take part in the exchange (no usable device, no
+// memory for 100 bytes) and a failure after data was queued to peers (a dead peer, a
+// broken connection) make this communicator's calls return ncclInternalError, with the
+// reason in ncclGetLastError: quietly passing through there would pair this rank's
+// allreduce with its peers' exchange.
 //
 // Communicators: the shim keeps state per communicator, made at its first allreduce from
 // ncclCommUserRank, ncclCommCount and ncclCommCuDevice, so communicators from
 // ncclCommInitRank, InitAll, Split, Shrink or InitRankScalable all work alike and their
 // creation needs no interception; ncclCommDestroy, Abort and Finalize end it (a handle
-// NCCL reuses later starts afresh).
+// NCCL reuses later starts afresh). A call in flight on another thread keeps the state
+// alive until it returns; an abort makes it stop at its next NCCL call or wait.
 //
 // Threads: NCCL lets one thread at a time call on a communicator, different
 // communicators from different threads; the shim follows (state per communicator, a
-// mutex only around the table of communicators). Group state is per thread, as NCCL's.
+// mutex only around the table of communicators and the counters). Group state is per
+// thread, as NCCL's. One thread driving several ranks must group their allreduces
+// together (they then pass through): a lone allreduce of one of them would wait in the
+// configuration exchange for ranks the same thread has not called yet.
 #pragma once
 
 #include <atomic>
@@ -100,7 +111,8 @@ class Shim {
   nccl::Result comm_destroy(nccl::Comm comm);
   nccl::Result comm_abort(nccl::Comm comm);
   nccl::Result comm_finalize(nccl::Comm comm);
-  // lgreco's last error on this communicator if it is newer than NCCL's, else NCCL's.
+  // lgreco's last error (of this communicator; of any, for a null one) while NCCL's has
+  // not changed since lgreco's was recorded, else NCCL's.
   const char* last_error(nccl::Comm comm);
 
   const NcclApi& api() const { return api_; }
@@ -126,34 +138,46 @@ class Shim {
     nccl::Stream stream;
   };
   struct GroupState;
+  using StatePtr = std::shared_ptr<CommState>;
 
   nccl::Result dispatch(const Call& call);  // outside any group
+  nccl::Result dispatch_on(CommState& s, const Call& call);
   nccl::Result forward(const Call& call);
   nccl::Result pass(CommState* state, const Call& call, const char* reason);
+  nccl::Result fail(CommState& s, const std::string& message);  // the communicator is broken
   const char* static_reason(const Call& call) const;  // "" when eligible by op, type and size
-  CommState* state_of(nccl::Comm comm);              // creates on first use
-  std::unique_ptr<CommState> release_state(nccl::Comm comm);
-  void agree(CommState& s, const Call& call);       // the configuration agreement
+  StatePtr state_of(nccl::Comm comm);                 // creates on first use
+  StatePtr detach_state(nccl::Comm comm);             // out of the table, marked abandoned
+  void agree(CommState& s, const Call& call);         // the configuration agreement
   bool ensure_engine(CommState& s, const config::Match& match);
   void retire(CommState& s, const char* why);  // logs the summary
+  void record_error(CommState* s, const std::string& message);
   GroupState& group();
 
   NcclApi api_;
   std::unique_ptr<DeviceRuntime> runtime_;
   Options options_;
   std::string disabled_;
+  std::string local_problem_;  // why this rank cannot compress (reported in the agreement)
   std::shared_ptr<const config::Registration> registration_;
-  std::string registration_problem_;  // why the registration could not be used
-  std::string config_text_;           // what ranks compare
+  std::string config_text_;  // what ranks compare
 
-  mutable std::mutex mutex_;  // comms_, retired_
-  std::unordered_map<nccl::Comm, std::unique_ptr<CommState>> comms_;
+  mutable std::mutex mutex_;  // comms_, retired_, the last error
+  std::unordered_map<nccl::Comm, StatePtr> comms_;
   CommCounters retired_;
+  // The newest error lgreco returned, and NCCL's last error when it was recorded: NCCL's
+  // is newer once it differs.
+  std::string last_error_, nccl_error_then_;
   // Bumped whenever a communicator's state goes, so that per-thread caches of the last
   // state used notice (the fast path takes no lock).
   std::atomic<uint64_t> generation_{1};
   const uint64_t id_;  // tells this Shim's per-thread state from another's (tests)
 };
+
+// Calls smaller than this never trigger the configuration agreement (a barrier's one-element
+// allreduce, a few metrics): whether a call reaches it must not depend on any setting, so
+// this is a constant, not LGRECO_MIN_BYTES.
+constexpr uint64_t kAgreementFloorBytes = 4096;
 
 // One summary line (the format tests/gpu and docs/USAGE.md rely on).
 std::string summary_line(int rank, int size, const CommCounters& c);

@@ -10,15 +10,15 @@
 #define LGRECO_HAVE_NCCL_H 1
 
 namespace lgreco::nccl {
-static_assert(kSuccess == ncclSuccess && kUnhandledCudaError == ncclUnhandledCudaError &&
-              kSystemError == ncclSystemError && kInternalError == ncclInternalError &&
-              kInvalidArgument == ncclInvalidArgument && kInvalidUsage == ncclInvalidUsage &&
-              kRemoteError == ncclRemoteError && kInProgress == ncclInProgress);
-static_assert(kInt8 == ncclInt8 && kUint8 == ncclUint8 && kInt32 == ncclInt32 && kUint32 == ncclUint32 &&
-              kInt64 == ncclInt64 && kUint64 == ncclUint64 && kFloat16 == ncclFloat16 && kFloat32 == ncclFloat32 &&
-              kFloat64 == ncclFloat64 && kBfloat16 == ncclBfloat16);
-static_assert(kSum == ncclSum && kProd == ncclProd && kMax == ncclMax && kMin == ncclMin && kAvg == ncclAvg &&
-              kNumOps == ncclNumOps);
+static_assert(int(kSuccess) == int(ncclSuccess) && int(kUnhandledCudaError) == int(ncclUnhandledCudaError) &&
+              int(kSystemError) == int(ncclSystemError) && int(kInternalError) == int(ncclInternalError) &&
+              int(kInvalidArgument) == int(ncclInvalidArgument) && int(kInvalidUsage) == int(ncclInvalidUsage) &&
+              int(kRemoteError) == int(ncclRemoteError) && int(kInProgress) == int(ncclInProgress));
+static_assert(int(kInt8) == int(ncclInt8) && int(kUint8) == int(ncclUint8) && int(kInt32) == int(ncclInt32) && int(kUint32) == int(ncclUint32) &&
+              int(kInt64) == int(ncclInt64) && int(kUint64) == int(ncclUint64) && int(kFloat16) == int(ncclFloat16) && int(kFloat32) == int(ncclFloat32) &&
+              int(kFloat64) == int(ncclFloat64) && int(kBfloat16) == int(ncclBfloat16));
+static_assert(int(kSum) == int(ncclSum) && int(kProd) == int(ncclProd) && int(kMax) == int(ncclMax) && int(kMin) == int(ncclMin) && int(kAvg) == int(ncclAvg) &&
+              int(kNumOps) == int(ncclNumOps));
 static_assert(sizeof(Result) == sizeof(ncclResult_t) && sizeof(DataType) == sizeof(ncclDataType_t) &&
               sizeof(RedOp) == sizeof(ncclRedOp_t));
 static_assert(sizeof(UniqueId) == sizeof(ncclUniqueId));

@@ -264,35 +264,49 @@ BOOST_AUTO_TEST_CASE(registered_buckets_adaptive_average_stays_identical_across_
 }
 
 BOOST_AUTO_TEST_CASE(calls_nccl_would_reduce_differently_pass_through_untouched) {
-  Job job(2);
+  Job job(2, [](int) {
+    auto env = base_env();
+    env.push_back({"LGRECO_MIN_BYTES", "16K"});
+    return params_of(env);
+  });
   job.run([&](int r) {
     Shim& shim = *job.shims[r];
     const nccl::Comm comm = job.fake.comm(r);
-    // Max of floats, a sum of int32, a sum smaller than LGRECO_MIN_BYTES: NCCL's results.
+    // Max of floats, a sum of int32, a tiny sum: NCCL's results, no configuration
+    // exchange (what NCCL requires alike on every rank decides).
     std::vector<float> f(4096, 1.5f + r);
     EXPECT(shim.all_reduce(f.data(), f.data(), f.size(), nccl::kFloat32, nccl::kMax, comm, stream_of(r)) ==
-               nccl::kSuccess);
+           nccl::kSuccess);
     EXPECT(f[17] == 2.5f);
     std::vector<int32_t> i(4096, 3 + r);
     EXPECT(shim.all_reduce(i.data(), i.data(), i.size(), nccl::kInt32, nccl::kSum, comm, stream_of(r)) ==
-               nccl::kSuccess);
+           nccl::kSuccess);
     EXPECT(i[4095] == 7);
-    std::vector<float> small(100, 0.25f);
+    std::vector<float> tiny(100, 0.25f);
+    EXPECT(shim.all_reduce(tiny.data(), tiny.data(), tiny.size(), nccl::kFloat32, nccl::kSum, comm, stream_of(r)) ==
+           nccl::kSuccess);
+    EXPECT(tiny[99] == 0.5f);
+    EXPECT(job.fake.counts(r).all_gather == 0u);
+    // A sum that could be compressed: the exchange runs; then one under LGRECO_MIN_BYTES.
+    std::vector<float> big(8192, 1.0f), small(2048, 0.5f);
+    EXPECT(shim.all_reduce(big.data(), big.data(), big.size(), nccl::kFloat32, nccl::kSum, comm, stream_of(r)) ==
+           nccl::kSuccess);
+    EXPECT(big[8191] == 2.0f);
     EXPECT(shim.all_reduce(small.data(), small.data(), small.size(), nccl::kFloat32, nccl::kSum, comm,
-                               stream_of(r)) == nccl::kSuccess);
-    EXPECT(small[99] == 0.5f);
+                           stream_of(r)) == nccl::kSuccess);
+    EXPECT(small[0] == 1.0f);
   });
   BOOST_TEST(job.fake.violation() == "");
   for (int r = 0; r < 2; ++r) {
     const shim::CommCounters c = *job.shims[r]->counters(job.fake.comm(r));
-    BOOST_TEST(c.calls == 3u);
-    BOOST_TEST(c.passed_through == 3u);
+    BOOST_TEST(c.calls == 5u);
+    BOOST_TEST(c.passed_through == 5u);
     BOOST_TEST(c.pass_reasons.count("a reduction other than sum or avg") == 1u);
     BOOST_TEST(c.pass_reasons.count("an element type other than float32, float16 or bfloat16") == 1u);
+    BOOST_TEST(c.pass_reasons.count("smaller than 4 KiB (before the configuration exchange)") == 1u);
     BOOST_TEST(c.pass_reasons.count("smaller than LGRECO_MIN_BYTES") == 1u);
-    BOOST_TEST(job.fake.counts(r).all_reduce == 3u);
-    // The configuration agreement ran once, at the first call: one all-gather.
-    BOOST_TEST(job.fake.counts(r).all_gather == 1u);
+    BOOST_TEST(job.fake.counts(r).all_reduce == 5u);
+    BOOST_TEST(job.fake.counts(r).all_gather == 1u);  // the exchange, once
   }
 }
 
@@ -480,16 +494,87 @@ BOOST_AUTO_TEST_CASE(a_rank_without_a_usable_device_makes_its_peers_fail_clearly
   job.runtimes[2]->set_unusable(true);
   std::vector<Result> results(3);
   job.run([&](int r) {
-    std::vector<float> a(4096, 1.0f);
+    std::vector<float> a(65536, 1.0f);
     results[r] = job.shims[r]->all_reduce(a.data(), a.data(), a.size(), nccl::kFloat32, nccl::kSum, job.fake.comm(r),
                                           stream_of(r));
   });
-  BOOST_TEST(job.fake.violation() != "");  // the mismatch NCCL itself would have hung on
-  for (int r = 0; r < 2; ++r) {
-    BOOST_TEST(results[r] == nccl::kInternalError);
+  // Rank 2 neither compresses nor forwards (its allreduce would meet its peers'
+  // exchange): it fails, and its peers' exchange fails (NCCL: their watchdog).
+  for (int r = 0; r < 3; ++r) BOOST_TEST(results[r] == nccl::kInternalError);
+  BOOST_TEST(job.fake.counts(2).all_reduce == 0u);
+  BOOST_TEST(contains(job.shims[2]->last_error(job.fake.comm(2)), "cannot take part in lgreco's configuration exchange"));
+  for (int r = 0; r < 2; ++r)
     BOOST_TEST(contains(job.shims[r]->last_error(job.fake.comm(r)), "configuration exchange failed"));
+  // Later calls fail at once, with the same reason, on every rank.
+  job.run([&](int r) {
+    std::vector<float> a(65536, 1.0f);
+    EXPECT(job.shims[r]->all_reduce(a.data(), a.data(), a.size(), nccl::kFloat32, nccl::kSum, job.fake.comm(r),
+                                    stream_of(r)) == nccl::kInternalError);
+  });
+  // ncclGetLastError(NULL), as PyTorch asks, gives lgreco's message too.
+  BOOST_TEST(contains(job.shims[2]->last_error(nullptr), "lgreco: "));
+}
+
+// An invalid parameter (here a logging typo) on one rank must not take that rank out of
+// the configuration exchange: every rank passes through together.
+BOOST_AUTO_TEST_CASE(an_invalid_parameter_on_one_rank_makes_every_rank_pass_through_together) {
+  const uint64_t seed = test::run_seed();
+  Job job(3, [](int r) {
+    auto env = base_env();
+    if (r == 1) env.push_back({"LGRECO_TIMEOUT", "0"});
+    return params_of(env);
+  });
+  Loop loop(3, 30, {6000, 7000});
+  loop.run(job, seed);
+  BOOST_TEST(job.fake.violation() == "");
+  for (int r = 0; r < 3; ++r) {
+    const auto c = *job.shims[r]->counters(job.fake.comm(r));
+    BOOST_TEST(c.compressed == 0u);
+    BOOST_TEST(c.passed_through == c.calls);
   }
-  BOOST_TEST(job.shims[2]->counters(job.fake.comm(2))->pass_reasons.size() == 1u);
+  check_loop(loop, seed, 1e-6);
+}
+
+// The usual start of a job: a barrier (a one-element allreduce) while other ranks are
+// still busy. It never triggers the configuration exchange.
+BOOST_AUTO_TEST_CASE(small_calls_and_other_reductions_never_start_the_configuration_exchange) {
+  Job job(2);
+  job.run([&](int r) {
+    float one = 1.0f;
+    EXPECT(job.shims[r]->all_reduce(&one, &one, 1, nccl::kFloat32, nccl::kSum, job.fake.comm(r), stream_of(r)) ==
+           nccl::kSuccess);
+    EXPECT(one == 2.0f);
+  });
+  for (int r = 0; r < 2; ++r) BOOST_TEST(job.fake.counts(r).all_gather == 0u);
+}
+
+// An abort from another thread (PyTorch's watchdog) while a call waits in the exchange:
+// the call ends with an error, and nothing is used after it is freed.
+BOOST_AUTO_TEST_CASE(an_abort_from_another_thread_ends_a_waiting_call) {
+  Job job(2, [](int) { return params_of(base_env()); }, std::chrono::milliseconds(3000));
+  Result result = nccl::kSuccess;
+  std::thread caller([&] {
+    std::vector<float> a(65536, 1.0f);  // rank 0 alone: rank 1 never comes
+    result = job.shims[0]->all_reduce(a.data(), a.data(), a.size(), nccl::kFloat32, nccl::kSum, job.fake.comm(0),
+                                      stream_of(0));
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  BOOST_TEST(job.shims[0]->comm_abort(job.fake.comm(0)) == nccl::kSuccess);
+  caller.join();
+  BOOST_TEST(result == nccl::kInternalError);
+  BOOST_TEST(!job.shims[0]->counters(job.fake.comm(0)).has_value());
+}
+
+BOOST_AUTO_TEST_CASE(the_host_backend_gives_freed_bytes_back) {
+  shim::HostBackend backend(1000);
+  {
+    auto a = backend.allocate(600);
+    BOOST_TEST(backend.device_bytes() == 600u);
+    BOOST_CHECK_THROW(backend.allocate_host(600), std::bad_alloc);
+  }
+  BOOST_TEST(backend.device_bytes() == 0u);
+  auto b = backend.allocate_host(900);
+  BOOST_TEST(backend.host_bytes() == 900u);
 }
 
 BOOST_AUTO_TEST_SUITE_END()
