@@ -20,6 +20,13 @@ int collect_path(struct dl_phdr_info* info, size_t, void* data) {
 
 std::optional<LoadedNccl> find_loaded_nccl() {
   std::vector<std::string> paths;
+  // First the libnccl the application's own ncclAllReduce would bind to where it is in
+  // the global scope (the next definition after this library's): with two NCCLs loaded
+  // (a framework's and another package's), that is the one the caller meant. Then every
+  // loaded object, for a libnccl loaded RTLD_LOCAL (PyTorch).
+  Dl_info next{};
+  if (void* p = dlsym(RTLD_NEXT, "pncclAllReduce"); p && dladdr(p, &next) && next.dli_fname)
+    paths.emplace_back(next.dli_fname);
   dl_iterate_phdr(collect_path, &paths);
   for (const std::string& path : paths) {
     void* handle = dlopen(path.c_str(), RTLD_LAZY | RTLD_NOLOAD | RTLD_LOCAL);

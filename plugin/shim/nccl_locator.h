@@ -15,7 +15,8 @@ struct LoadedNccl {
   int version_code = 0;  // from its ncclGetVersion(), e.g. 22809 for 2.28.9
 };
 
-// The first loaded object exporting both pncclAllReduce and ncclGetVersion, or nothing
+// The loaded object exporting both pncclAllReduce and ncclGetVersion: the one global
+// symbol lookup finds after this library if any, else the first in load order; nothing
 // if NCCL is not loaded (yet). Never loads a library itself.
 std::optional<LoadedNccl> find_loaded_nccl();
 
