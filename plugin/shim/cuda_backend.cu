@@ -2,7 +2,8 @@
 // kernels/quant_cuda.h; `none` segments, the NaN scan, the owner's exact sum, the
 // division and the narrowing are the small element-wise kernels below. Everything is
 // enqueued on the current stream; nothing waits for the device except Event::wait,
-// wait_mark and the statistics' scratch growing (see measure).
+// wait_mark, pinned host memory's cudaFreeHost and, on a device without memory pools,
+// cudaMalloc/cudaFree (cuda_backend.h says how streams are ordered and memory freed).
 //
 // Bytes: every kernel here reproduces plugin/collective/cpu_backend.cc (and NoneCodec in
 // kernels/codec.cc) bit for bit. Built with --fmad=false and every float32 operation
@@ -16,6 +17,9 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <functional>
+#include <utility>
 #include <atomic>
 #include <cstring>
 #include <mutex>
@@ -27,6 +31,7 @@
 #include "kernels/codec_spec.h"
 #include "kernels/cuda_launch.h"
 #include "kernels/dtype.h"
+#include "kernels/quant_batch.h"
 #include "kernels/quant_math.h"
 #include "plugin/shim/cuda_backend.h"
 
@@ -38,11 +43,6 @@ using collective::NoiseBase;
 using collective::Plan;
 using collective::Segment;
 namespace qc = quant::cuda;
-
-struct CudaBackend::Accounts {
-  std::atomic<uint64_t> device{0};
-  std::atomic<uint64_t> host{0};
-};
 
 namespace {
 
@@ -95,37 +95,79 @@ class QuietDeviceGuard {
   bool restore_ = false;
 };
 
+}  // namespace
+
+// ---------------------------------------------------------------------------------------
+// Memory shared by the backend and its buffers (which may outlive it)
+
+struct CudaBackend::Shared {
+  explicit Shared(int d) : device(d) {}
+  ~Shared() {
+    QuietDeviceGuard guard(device);
+    // Pending frees on free_stream still complete after it is destroyed.
+    if (free_stream) cudaStreamDestroy(free_stream);
+    if (last_work) cudaEventDestroy(last_work);
+  }
+  Shared(const Shared&) = delete;
+  Shared& operator=(const Shared&) = delete;
+
+  // Device memory back, after every operation the backend has enqueued so far (the last
+  // work event), on the backend's own stream: never on the framework's current stream,
+  // which may be destroyed or captured by the time a buffer goes (at ncclCommDestroy, or
+  // between calls). Never waits for the device where memory pools exist.
+  void free_device(void* data, uint64_t bytes) noexcept {
+    QuietDeviceGuard guard(device);
+    cudaError_t e = cudaSuccess;
+    if (pools) {
+      e = cudaStreamWaitEvent(free_stream, last_work, 0);
+      if (e == cudaSuccess) e = cudaFreeAsync(data, free_stream);
+    }
+    if (!pools || e != cudaSuccess) {
+      // No pools, or the stream-ordered free refused (a faulted context): cudaFree, which
+      // waits for the device (it also frees memory from cudaMallocAsync).
+      if (e != cudaSuccess) cudaGetLastError();
+      cudaFree(data);
+    }
+    device_bytes -= bytes;  // the cap counts what is held, so it is given back at once
+  }
+
+  int device;
+  bool pools = false;                  // cudaMallocAsync / cudaFreeAsync
+  cudaStream_t free_stream = nullptr;  // the backend's own, non-blocking
+  cudaEvent_t last_work = nullptr;     // re-recorded after every enqueueing operation
+  std::atomic<uint64_t> device_bytes{0};
+  std::atomic<uint64_t> host_bytes{0};
+};
+
+namespace {
+
 // ---------------------------------------------------------------------------------------
 // Buffers
 
 class DeviceBuffer final : public collective::Backend::Buffer {
  public:
-  DeviceBuffer(void* data, uint64_t bytes, int device, std::shared_ptr<CudaBackend::Accounts> accounts)
-      : data_(data), bytes_(bytes), device_(device), accounts_(std::move(accounts)) {}
-  ~DeviceBuffer() override {
-    // cudaFree waits for the device to be idle, so work still reading the buffer finishes
-    // first (the engine frees buffers between calls, never inside one).
-    QuietDeviceGuard guard(device_);
-    cudaFree(data_);
-    accounts_->device -= bytes_;
-  }
+  DeviceBuffer(void* data, uint64_t bytes, std::shared_ptr<CudaBackend::Shared> shared)
+      : data_(data), bytes_(bytes), shared_(std::move(shared)) {}
+  // Stream-ordered: freed once the work enqueued before now (every use) has run.
+  ~DeviceBuffer() override { shared_->free_device(data_, bytes_); }
   void* data() override { return data_; }
   uint64_t bytes() const override { return bytes_; }
 
  private:
   void* data_;
   uint64_t bytes_;
-  int device_;
-  std::shared_ptr<CudaBackend::Accounts> accounts_;
+  std::shared_ptr<CudaBackend::Shared> shared_;
 };
 
 class PinnedBuffer final : public collective::Backend::Buffer {
  public:
-  PinnedBuffer(void* data, uint64_t bytes, std::shared_ptr<CudaBackend::Accounts> accounts)
-      : data_(data), bytes_(bytes), accounts_(std::move(accounts)) {}
+  PinnedBuffer(void* data, uint64_t bytes, std::shared_ptr<CudaBackend::Shared> shared)
+      : data_(data), bytes_(bytes), shared_(std::move(shared)) {}
   ~PinnedBuffer() override {
+    // cudaFreeHost synchronises the device (it waits for any copy into the memory): the
+    // engine drops read-back targets only when replanning or at teardown, never per call.
     cudaFreeHost(data_);
-    accounts_->host -= bytes_;
+    shared_->host_bytes -= bytes_;
   }
   void* data() override { return data_; }
   uint64_t bytes() const override { return bytes_; }
@@ -133,7 +175,7 @@ class PinnedBuffer final : public collective::Backend::Buffer {
  private:
   void* data_;
   uint64_t bytes_;
-  std::shared_ptr<CudaBackend::Accounts> accounts_;
+  std::shared_ptr<CudaBackend::Shared> shared_;
 };
 
 }  // namespace
@@ -406,8 +448,35 @@ qc::Job quant_job(const Plan& plan, const Segment& s, uint64_t byte_offset_base)
 CudaBackend::CudaBackend(int device, uint64_t memory_cap)
     : device_(device),
       cap_(memory_cap),
-      accounts_(std::make_shared<Accounts>()),
+      shared_(std::make_shared<Shared>(device)),
       read_back_events_(std::make_shared<EventPool>(device)) {}
+
+namespace {
+// The compute capabilities this build carries code for, from nvcc's __CUDA_ARCH_LIST__
+// (800,900 for the Makefile's sm_80, sm_90 and compute_90 PTX), as "8.0, 9.0".
+std::string built_architectures() {
+#ifdef __CUDA_ARCH_LIST__
+#define LGRECO_STRINGIFY(...) #__VA_ARGS__
+#define LGRECO_EXPAND(...) LGRECO_STRINGIFY(__VA_ARGS__)
+  const std::string list = LGRECO_EXPAND(__CUDA_ARCH_LIST__);
+#undef LGRECO_EXPAND
+#undef LGRECO_STRINGIFY
+  std::string out;
+  size_t at = 0;
+  while (at < list.size()) {
+    size_t comma = list.find(',', at);
+    if (comma == std::string::npos) comma = list.size();
+    const int arch = std::atoi(list.substr(at, comma - at).c_str());
+    if (!out.empty()) out += ", ";
+    out += std::to_string(arch / 100) + "." + std::to_string(arch / 10 % 10);
+    at = comma + 1;
+  }
+  return "built for compute capability " + out;
+#else
+  return "see the Makefile's -gencode list";
+#endif
+}
+}  // namespace
 
 std::unique_ptr<CudaBackend> CudaBackend::create(int device, uint64_t memory_cap) {
   int previous = 0;
@@ -421,32 +490,75 @@ std::unique_ptr<CudaBackend> CudaBackend::create(int device, uint64_t memory_cap
   cudaSetDevice(previous);
   std::unique_ptr<CudaBackend> backend(new CudaBackend(device, memory_cap));
   DeviceGuard guard(device);
-  check(cudaEventCreateWithFlags(&backend->switch_event_, cudaEventDisableTiming),
-        "cudaEventCreateWithFlags (stream switch)");
+  Shared& shared = *backend->shared_;
+  check(cudaEventCreateWithFlags(&shared.last_work, cudaEventDisableTiming), "cudaEventCreateWithFlags (last work)");
+  int pools = 0;
+  check(cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, device),
+        "cudaDeviceGetAttribute (memory pools)");
+  shared.pools = pools != 0;
+  if (shared.pools) {
+    check(cudaStreamCreateWithFlags(&shared.free_stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags (frees)");
+  } else {
+    static std::once_flag once;
+    std::call_once(once, [device] {
+      LGRECO_INFO("SHIM",
+                  "CUDA device %d has no memory pools (cudaDevAttrMemoryPoolsSupported is 0): lgreco allocates with "
+                  "cudaMalloc and frees with cudaFree, which wait for the whole device",
+                  device);
+    });
+  }
+
+  // Whether the device can run this build's kernels: asking for one kernel's attributes
+  // fails when no image (SASS for its compute capability, or PTX it can JIT) fits. Found
+  // by the runtime itself rather than from hard-coded numbers, so that it stays right when
+  // the Makefile's -gencode list changes.
+  cudaFuncAttributes attributes{};
+  e = cudaFuncGetAttributes(&attributes, divide_kernel);
+  if (e != cudaSuccess) {
+    cudaGetLastError();  // not sticky
+    int major = 0, minor = 0;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+    cudaDeviceProp prop{};
+    const std::string name = cudaGetDeviceProperties(&prop, device) == cudaSuccess ? prop.name : "unknown";
+    cudaGetLastError();
+    if (e == cudaErrorNoKernelImageForDevice || e == cudaErrorInvalidDeviceFunction)
+      backend->unusable_ = "CUDA device " + std::to_string(device) + " (" + name + ", compute capability " +
+                           std::to_string(major) + "." + std::to_string(minor) +
+                           ") has no code in this build of lgreco (" + built_architectures() + ")";
+    else
+      backend->unusable_ = "CUDA device " + std::to_string(device) + " (" + name +
+                           "): cudaFuncGetAttributes on lgreco's kernels failed: " + cudaGetErrorName(e) + ": " +
+                           cudaGetErrorString(e);
+  }
   return backend;
 }
 
 CudaBackend::~CudaBackend() {
   QuietDeviceGuard guard(device_);
-  if (switch_event_) cudaEventDestroy(switch_event_);
   for (cudaEvent_t e : marks_) cudaEventDestroy(e);
-  if (scratch_) {
-    cudaFree(scratch_);
-    accounts_->device -= scratch_bytes_;
-  }
+  if (scratch_) shared_->free_device(scratch_, scratch_bytes_);
+}
+
+bool CudaBackend::stream_ordered() const { return shared_->pools; }
+
+void CudaBackend::enqueued(const char* what) {
+  const cudaError_t e = cudaEventRecord(shared_->last_work, stream_);
+  if (e != cudaSuccess) cuda_failed(e, std::string("cudaEventRecord (last work, after ") + what + ")");
 }
 
 void CudaBackend::set_stream(nccl::Stream stream) {
   if (stream == stream_) return;
   DeviceGuard guard(device_);
-  // What was enqueued on the old stream (residual updates, read-backs) comes first.
-  check(cudaEventRecord(switch_event_, stream_), "cudaEventRecord (stream switch)");
-  check(cudaStreamWaitEvent(stream, switch_event_, 0), "cudaStreamWaitEvent (stream switch)");
+  // The new stream waits for the last work enqueued on any earlier stream, recorded when
+  // that work was enqueued (cuda_backend.h: the old stream may be gone or captured now,
+  // so it is not touched here).
+  check(cudaStreamWaitEvent(stream, shared_->last_work, 0), "cudaStreamWaitEvent (stream switch)");
   stream_ = stream;
 }
 
-uint64_t CudaBackend::device_bytes() const { return accounts_->device.load(); }
-uint64_t CudaBackend::host_bytes() const { return accounts_->host.load(); }
+uint64_t CudaBackend::device_bytes() const { return shared_->device_bytes.load(); }
+uint64_t CudaBackend::host_bytes() const { return shared_->host_bytes.load(); }
 
 void CudaBackend::reserve(uint64_t bytes, const char* what) {
   if (cap_ == 0) return;
@@ -472,23 +584,36 @@ namespace {
 }
 }  // namespace
 
+namespace {
+// Device memory, stream-ordered on `stream` where the device has pools (no device-wide
+// synchronisation: cudaMalloc waits for the device and would break a global-mode capture
+// elsewhere). Never a null pointer, even for 0 bytes: null means "absent" to the
+// operations. Throws std::bad_alloc.
+void* device_malloc(const CudaBackend::Shared& shared, uint64_t bytes, cudaStream_t stream, const char* what) {
+  void* data = nullptr;
+  const uint64_t n = std::max<uint64_t>(bytes, 1);
+  const cudaError_t e = shared.pools ? cudaMallocAsync(&data, n, stream) : cudaMalloc(&data, n);
+  if (e != cudaSuccess) allocation_failed(e, what, bytes, shared.device);
+  return data;
+}
+}  // namespace
+
 std::unique_ptr<collective::Backend::Buffer> CudaBackend::allocate(uint64_t bytes) {
   DeviceGuard guard(device_);
   reserve(bytes, "device");
-  void* data = nullptr;
-  // Never a null pointer, even for 0 bytes: null means "absent" to the operations.
-  const cudaError_t e = cudaMalloc(&data, std::max<uint64_t>(bytes, 1));
-  if (e != cudaSuccess) allocation_failed(e, "cudaMalloc", bytes, device_);
-  accounts_->device += bytes;
+  void* data = device_malloc(*shared_, bytes, stream_, shared_->pools ? "cudaMallocAsync" : "cudaMalloc");
+  shared_->device_bytes += bytes;
   std::unique_ptr<Buffer> buffer;
   try {
-    buffer = std::make_unique<DeviceBuffer>(data, bytes, device_, accounts_);
+    buffer = std::make_unique<DeviceBuffer>(data, bytes, shared_);
   } catch (...) {
-    cudaFree(data);
-    accounts_->device -= bytes;
+    shared_->free_device(data, bytes);
     throw;
   }
+  // Zeroed on the same stream, so ordered after the allocation and before any use; the
+  // last work event then covers the allocation for a use on another stream.
   if (bytes) check(cudaMemsetAsync(data, 0, bytes, stream_), "cudaMemsetAsync (allocate)");
+  enqueued("allocate");
   return buffer;
 }
 
@@ -498,13 +623,13 @@ std::unique_ptr<collective::Backend::Buffer> CudaBackend::allocate_host(uint64_t
   void* data = nullptr;
   const cudaError_t e = cudaHostAlloc(&data, std::max<uint64_t>(bytes, 1), cudaHostAllocPortable);
   if (e != cudaSuccess) allocation_failed(e, "cudaHostAlloc", bytes, device_);
-  accounts_->host += bytes;
+  shared_->host_bytes += bytes;
   std::unique_ptr<Buffer> buffer;
   try {
-    buffer = std::make_unique<PinnedBuffer>(data, bytes, accounts_);
+    buffer = std::make_unique<PinnedBuffer>(data, bytes, shared_);
   } catch (...) {
     cudaFreeHost(data);
-    accounts_->host -= bytes;
+    shared_->host_bytes -= bytes;
     throw;
   }
   if (bytes) memset(data, 0, bytes);
@@ -515,12 +640,14 @@ void CudaBackend::fill_zero(void* data, uint64_t bytes) {
   if (bytes == 0) return;
   DeviceGuard guard(device_);
   check(cudaMemsetAsync(data, 0, bytes, stream_), "cudaMemsetAsync (fill_zero)");
+  enqueued("fill_zero");
 }
 
 void CudaBackend::copy(void* dst, const void* src, uint64_t bytes) {
   if (bytes == 0 || dst == src) return;
   DeviceGuard guard(device_);
   check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_), "cudaMemcpyAsync (copy)");
+  enqueued("copy");
 }
 
 void CudaBackend::upload(void* dst, const void* host_src, uint64_t bytes) {
@@ -529,11 +656,13 @@ void CudaBackend::upload(void* dst, const void* host_src, uint64_t bytes) {
   // From pageable memory the runtime has staged the source before this returns, so the
   // caller may reuse it at once (pinned sources would still be read afterwards).
   check(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, stream_), "cudaMemcpyAsync (upload)");
+  enqueued("upload");
 }
 
 std::unique_ptr<Event> CudaBackend::read_back(void* host_dst, const void* src, uint64_t bytes) {
   DeviceGuard guard(device_);
   if (bytes) check(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, stream_), "cudaMemcpyAsync (read_back)");
+  enqueued("read_back");
   cudaEvent_t event = read_back_events_->take();
   const cudaError_t e = cudaEventRecord(event, stream_);
   if (e != cudaSuccess) {
@@ -560,6 +689,7 @@ void CudaBackend::find_nonfinite(const Plan&, std::span<const Segment> segments,
   for_each_table(segments, 0, false, [&](const SegmentTable& t, dim3 grid) {
     qc::launch_kernel(nonfinite_kernel, grid, kThreads, stream_, "the backend's NaN/Inf scan kernel", t, args);
   });
+  enqueued("find_nonfinite");
 }
 
 void CudaBackend::encode(const Plan& plan, std::span<const Segment> segments, ElementSpan input, float* residual_data,
@@ -597,6 +727,7 @@ void CudaBackend::encode(const Plan& plan, std::span<const Segment> segments, El
       qc::launch_kernel(none_encode_kernel, grid, kThreads, stream_, "the backend's `none` encode kernel", t, args);
     });
   }
+  enqueued("encode");
 }
 
 void CudaBackend::decode(const Plan& plan, std::span<const Segment> segments, const uint8_t* in,
@@ -621,6 +752,7 @@ void CudaBackend::decode(const Plan& plan, std::span<const Segment> segments, co
                         args);
     });
   }
+  enqueued("decode");
 }
 
 void CudaBackend::decode_accumulate(const Plan& plan, std::span<const Segment> segments, const uint8_t* in,
@@ -646,6 +778,7 @@ void CudaBackend::decode_accumulate(const Plan& plan, std::span<const Segment> s
                         "the backend's `none` decode-accumulate kernel", t, args);
     });
   }
+  enqueued("decode_accumulate");
 }
 
 void CudaBackend::accumulate_exact(const Plan&, std::span<const Segment> segments, ElementSpan input,
@@ -663,12 +796,14 @@ void CudaBackend::accumulate_exact(const Plan&, std::span<const Segment> segment
   for_each_table(segments, 0, false, [&](const SegmentTable& t, dim3 grid) {
     qc::launch_kernel(exact_kernel, grid, kThreads, stream_, "the backend's exact-accumulate kernel", t, args);
   });
+  enqueued("accumulate_exact");
 }
 
 void CudaBackend::divide(float* acc, uint64_t n, float divisor) {
   if (n == 0) return;
   DeviceGuard guard(device_);
   qc::launch_kernel(divide_kernel, flat_grid(n), kThreads, stream_, "the backend's divide kernel", acc, n, divisor);
+  enqueued("divide");
 }
 
 void CudaBackend::narrow(const float* acc, uint64_t n, ElementSpan out) {
@@ -681,6 +816,54 @@ void CudaBackend::narrow(const float* acc, uint64_t n, ElementSpan out) {
   void* data = out.data;
   DType dtype = out.dtype;
   qc::launch_kernel(narrow_kernel, flat_grid(n), kThreads, stream_, "the backend's narrow kernel", acc, n, data, dtype);
+  enqueued("narrow");
+}
+
+void CudaBackend::grow_scratch(uint64_t bytes) {
+  if (bytes <= scratch_bytes_) return;
+  DeviceGuard guard(device_);
+  // The old scratch may still be read by enqueued statistics: it is freed after the last
+  // work event (stream-ordered), so no wait here. Freed before the new one is reserved,
+  // so that the cap counts the larger one alone.
+  if (scratch_) {
+    void* old = std::exchange(scratch_, nullptr);
+    shared_->free_device(old, std::exchange(scratch_bytes_, 0));
+  }
+  reserve(bytes, "device (statistics scratch)");
+  scratch_ = device_malloc(*shared_, bytes, stream_,
+                           shared_->pools ? "cudaMallocAsync (statistics scratch)" : "cudaMalloc (statistics scratch)");
+  scratch_bytes_ = bytes;
+  shared_->device_bytes += bytes;
+  enqueued("allocating the statistics scratch");
+}
+
+void CudaBackend::prepare_measure(const Plan& plan, std::span<const CodecSpec> candidates) {
+  if (candidates.empty()) return;
+  // An upper bound on qc::stats_scratch_bytes over every subset of the plan's segments:
+  // the scratch is the largest (work items x candidates) array of any job table, and a
+  // table holds at most kMaxJobsPerLaunch jobs and fewer than 2^31 work items. Which jobs
+  // share a table depends on the subset (two large segments far apart in the plan may
+  // meet in one table when the ones between them are not measured), so the full plan's
+  // own need is not a bound; the kMaxJobsPerLaunch largest segments in one table are.
+  // The launches (one per bucket size, `none` riding along the first) come from the
+  // kernels' own split, with no jobs; it throws CodecError on candidates they cannot
+  // measure, as measure() would.
+  const std::vector<qc::StatsLaunch> launches = qc::stats_launches({}, candidates, "cuda backend prepare_measure");
+  std::vector<uint64_t> counts;
+  counts.reserve(plan.segments.size());
+  for (const Segment& s : plan.segments)
+    if (s.count) counts.push_back(s.count);
+  const size_t top = std::min<size_t>(counts.size(), quant::warp::kMaxJobsPerLaunch);
+  std::partial_sort(counts.begin(), counts.begin() + static_cast<std::ptrdiff_t>(top), counts.end(),
+                    std::greater<uint64_t>());
+  constexpr uint64_t kMaxWork = (uint64_t{1} << 31) - 1;  // kernels/quant_batch.cc's limit per table
+  uint64_t need = 0;
+  for (const qc::StatsLaunch& launch : launches) {
+    uint64_t work = 0;
+    for (size_t i = 0; i < top; ++i) work += (counts[i] + launch.bucket - 1) / launch.bucket;
+    need = std::max<uint64_t>(need, std::min(work, kMaxWork) * launch.candidates.size() * sizeof(double));
+  }
+  grow_scratch(need);
 }
 
 void CudaBackend::measure(const Plan&, std::span<const Segment> segments, ElementSpan input, const float* residual,
@@ -699,24 +882,15 @@ void CudaBackend::measure(const Plan&, std::span<const Segment> segments, Elemen
   DeviceGuard guard(device_);
   const uint64_t need = qc::stats_scratch_bytes(quant_jobs_, m.candidates);
   if (need > scratch_bytes_) {
-    // The one allocation on the data path, on the first measuring call and whenever a call
-    // needs more than any before it. The old scratch may still be read by enqueued
-    // statistics: they are ordered before everything on the current stream, so waiting
-    // for it makes freeing safe.
-    if (scratch_) {
-      check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize (growing the statistics scratch)");
-      cudaFree(scratch_);
-      accounts_->device -= scratch_bytes_;
-      scratch_ = nullptr;
-      scratch_bytes_ = 0;
-    }
-    reserve(need, "device (statistics scratch)");
-    void* data = nullptr;
-    const cudaError_t e = cudaMalloc(&data, need);
-    if (e != cudaSuccess) allocation_failed(e, "cudaMalloc (statistics scratch)", need, device_);
-    scratch_ = data;
-    scratch_bytes_ = need;
-    accounts_->device += need;
+    // prepare_measure should have made room: an allocation that fails here fails this
+    // rank's call alone, where the engine wants every rank to pass through together. Still
+    // grown (stream-ordered) rather than refused, for a caller that skipped it.
+    LGRECO_WARN_ONCE("SHIM", "measure grows the statistics scratch",
+                     "measure needed %llu bytes of statistics scratch on CUDA device %d where %llu were prepared: "
+                     "prepare_measure was not called for this plan and candidates (this should not happen); growing "
+                     "it here",
+                     static_cast<unsigned long long>(need), device_, static_cast<unsigned long long>(scratch_bytes_));
+    grow_scratch(need);
   }
   qc::StatsBatch batch;
   batch.jobs = quant_jobs_;
@@ -732,6 +906,7 @@ void CudaBackend::measure(const Plan&, std::span<const Segment> segments, Elemen
   batch.scratch = scratch_;
   batch.scratch_bytes = scratch_bytes_;
   qc::squared_errors(batch, stream_);
+  enqueued("measure");
 }
 
 // ---------------------------------------------------------------------------------------
@@ -763,6 +938,8 @@ uint64_t CudaBackend::mark() {
   }
   check(cudaEventRecord(marks_[handle], stream_), "cudaEventRecord (mark)");
   free_marks_.pop_back();
+  // A mark often follows the fabric's exchange: the last work event then covers it too.
+  enqueued("mark");
   return handle;
 }
 

@@ -4,6 +4,31 @@
 // engine's CUDA backend") says how each operation maps to kernels, what is allocated
 // when and what is not measured yet.
 //
+// Ordering across streams. The backend cannot know where an NCCL call's work ends (the
+// fabric's operations share its stream), and at set_stream time the previous stream may
+// already be destroyed by the framework (recording an event there is then an error, or
+// worse a handle reused by a new stream) or being captured into a CUDA graph (a record
+// there would become a node of someone else's graph and break capture isolation). So the
+// old stream is never touched when switching. Instead every operation that enqueues
+// work (kernels, copies, zero-fills, read-backs, allocations' zero-fill, and marks, which
+// follow the fabric's exchanges) re-records one "last work" event on the current stream
+// right after it, while that stream is certainly alive and not captured (the shim passes
+// captured calls through before the backend sees them). set_stream(s) makes s wait for
+// that event; device memory is freed on a stream of the backend's own after waiting for
+// it too. Cost: one cudaEventRecord (about 1-2 us of host time, no device work to speak
+// of) per operation, some 10 to 20 per compressed call, against milliseconds of
+// collective; cheaper schemes (recording only after writes of residuals) would miss
+// write-after-read hazards (a staging buffer or the statistics' scratch overwritten by the
+// next call on another stream while the last one still reads it). What the fabric
+// enqueues after the backend's last operation of a call is not covered; in the engine a
+// call always ends with a backend operation (decode, narrow, read_back or a mark).
+//
+// Memory. Device buffers are stream-ordered (cudaMallocAsync on the current stream,
+// zero-filled there; cudaFreeAsync as above): no allocation or free waits for the device,
+// so none can deadlock against another communicator's kernel that waits for a peer, nor
+// invalidate a global-mode graph capture on another stream. Devices without memory pools
+// fall back to cudaMalloc / cudaFree (which synchronise the device), with one INFO line.
+//
 // Free of CUDA headers (streams and events are the runtime's opaque CUstream_st and
 // CUevent_st pointers), so that .cc files compiled by g++ can include it. Built without
 // CUDA (plugin/shim/cuda_backend_none.cc), only cuda_runtime() exists, and its
@@ -28,7 +53,8 @@ class CudaBackend final : public StreamBackend {
   // A backend on CUDA device `device`; allocations beyond memory_cap bytes in all (device
   // plus pinned host, 0: no cap) throw std::bad_alloc. Throws std::runtime_error when the
   // device cannot be made current (no GPU, a bad index). Its first stream is the legacy
-  // default stream, until set_stream.
+  // default stream, until set_stream. A device the build has no code for is not an error
+  // here: unusable_reason() says so, and the shim passes the communicator through.
   static std::unique_ptr<CudaBackend> create(int device, uint64_t memory_cap);
   ~CudaBackend() override;
   CudaBackend(const CudaBackend&) = delete;
@@ -42,6 +68,11 @@ class CudaBackend final : public StreamBackend {
   void set_stream(nccl::Stream stream) override;
   uint64_t device_bytes() const override;
   uint64_t host_bytes() const override;
+  // Found once by create(): "" when the device runs the backend's kernels, else why not
+  // (a compute capability this build has no code for).
+  std::string unusable_reason() const override { return unusable_; }
+  // Whether device memory is stream-ordered (cudaMallocAsync); false: cudaMalloc/cudaFree.
+  bool stream_ordered() const;
 
   // Backend
   std::unique_ptr<Buffer> allocate(uint64_t bytes) override;
@@ -65,10 +96,13 @@ class CudaBackend final : public StreamBackend {
                         const uint8_t* flags, collective::ElementSpan acc) override;
   void divide(float* acc, uint64_t n, float divisor) override;
   void narrow(const float* acc, uint64_t n, collective::ElementSpan out) override;
-  // The one operation that may allocate: the statistics' scratch (device memory the
-  // backend owns, counted in device_bytes and the cap) grows when a call needs more than
-  // any call before it; growing waits for the current stream once. Throws std::bad_alloc
-  // like allocate.
+  // prepare_measure grows the statistics' scratch (device memory the backend owns,
+  // counted in device_bytes and the cap) to what measure() could need on ANY segments of
+  // the plan with these candidates, so that measure() allocates nothing; throws
+  // std::bad_alloc like allocate (and CodecError on candidates the kernels cannot
+  // measure). measure() still grows the scratch for a caller that skipped it (one WARN:
+  // an allocation failure there would fail one rank's call alone).
+  void prepare_measure(const collective::Plan& plan, std::span<const CodecSpec> candidates) override;
   void measure(const collective::Plan& plan, std::span<const collective::Segment> segments,
                collective::ElementSpan input, const float* residual, uint64_t residual_first,
                const Measure& m) override;
@@ -79,8 +113,9 @@ class CudaBackend final : public StreamBackend {
   double seconds_between(uint64_t first_mark, uint64_t second_mark) override;
   void release_mark(uint64_t mark) override;
 
-  // Byte counts shared with the buffers, which may outlive the backend.
-  struct Accounts;
+  // Shared with the buffers, which may outlive the backend: the byte counts, the "last
+  // work" event and the backend's own stream that frees run on (see the top).
+  struct Shared;
   // Read-back events, shared with the Event objects for the same reason.
   struct EventPool;
 
@@ -89,12 +124,17 @@ class CudaBackend final : public StreamBackend {
   // Throws std::bad_alloc (after one INFO line) when `bytes` more would pass the cap.
   void reserve(uint64_t bytes, const char* what);
   CUevent_st* mark_event(uint64_t mark, const char* what) const;
+  // Re-records the "last work" event on the current stream, after an operation enqueued.
+  void enqueued(const char* what);
+  // Makes the statistics' scratch at least `bytes` (stream-ordered; the old one is freed
+  // after everything enqueued so far). Throws std::bad_alloc.
+  void grow_scratch(uint64_t bytes);
 
   int device_;
   uint64_t cap_;
   nccl::Stream stream_ = nullptr;
-  CUevent_st* switch_event_ = nullptr;  // recorded on the old stream when set_stream switches
-  std::shared_ptr<Accounts> accounts_;
+  std::string unusable_;
+  std::shared_ptr<Shared> shared_;
   std::shared_ptr<EventPool> read_back_events_;
   std::vector<CUevent_st*> marks_;  // handle i is marks_[i]
   std::vector<uint64_t> free_marks_;

@@ -8,9 +8,14 @@
 //                      element is not 0, flags with some layers set, NaN/Inf/overflow
 //                      injections and poisoned outputs; every operation's bytes compared
 //                      with the CPU backend's (measure: within the tolerance of
-//                      docs/KERNELS.md). Then set_stream's ordering across two streams,
-//                      the memory cap (std::bad_alloc), read-back events, marks, the
-//                      device guard and the runtime (capturing, create_backend).
+//                      docs/KERNELS.md; a fresh backend after prepare_measure must
+//                      measure the same bytes without allocating). Then set_stream's
+//                      ordering across two streams, stream-ordered frees (a buffer freed
+//                      while work on it is queued, its memory reused at once), set_stream
+//                      away from a destroyed and from a capturing stream, the memory cap
+//                      (std::bad_alloc, prepare_measure included), read-back events,
+//                      marks, the device guard and the runtime (capturing,
+//                      create_backend, unusable_reason).
 //                      --quick: fewer random plans.
 //
 // One PASS/FAIL line per check, `# failed:` lines, SUMMARY and RESULT lines, and a short
@@ -576,6 +581,7 @@ void check_measure(Ctx& c, const Trial& t) {
   for (auto& v : nonfinite) v = chance(c.rng, 0.1);
   const double weight = pick<double>(c.rng, {1.0, 1.0, 1.0 / 16, 0.37});
   const std::vector<double> squared_before = squared;
+  const std::vector<uint8_t> nonfinite_before = nonfinite;
 
   Dev d_in = to_device(in.host), d_res = to_device(res.host), d_sq = to_device(bytes_of(squared)),
       d_nf = to_device(nonfinite);
@@ -585,6 +591,25 @@ void check_measure(Ctx& c, const Trial& t) {
                 res.first, m_cpu);
   c.gpu.measure(t.plan, t.segments, gpu_span(in, d_in), with_residual ? f32(d_res) : nullptr, res.first, m_gpu);
   const std::vector<uint8_t> got_sq_bytes = from_device(d_sq), got_nf = from_device(d_nf);
+
+  // prepare_measure: a fresh backend prepared for the whole plan and these candidates
+  // then measures this partition's segments and this random subset of layers (which packs
+  // its job tables differently from the plan) without allocating, and to the same bytes.
+  {
+    auto fresh = CudaBackend::create(c.gpu.device(), 0);
+    fresh->set_stream(c.stream);
+    fresh->prepare_measure(t.plan, t.candidates);
+    const uint64_t prepared = fresh->device_bytes();
+    Dev d_sq2 = to_device(bytes_of(squared_before)), d_nf2 = to_device(nonfinite_before);
+    collective::Backend::Measure m2{t.candidates, measured, reinterpret_cast<double*>(d_sq2.get()), d_nf2.get(),
+                                    weight};
+    fresh->measure(t.plan, t.segments, gpu_span(in, d_in), with_residual ? f32(d_res) : nullptr, res.first, m2);
+    c.r.check(fresh->device_bytes() == prepared, "prepare_measure",
+              strf("%s: measure after prepare_measure changed device_bytes from %llu to %llu", t.name.c_str(),
+                   static_cast<ull>(prepared), static_cast<ull>(fresh->device_bytes())));
+    c.r.check(from_device(d_sq2) == got_sq_bytes && from_device(d_nf2) == got_nf, "prepare_measure",
+              strf("%s: a prepared backend measured other bytes than the unprepared one", t.name.c_str()));
+  }
   std::vector<double> got(layers * nc);
   memcpy(got.data(), got_sq_bytes.data(), got.size() * sizeof(double));
 
@@ -826,6 +851,111 @@ void check_streams_events_marks(Report& r, CudaBackend& gpu, int device) {
   CHECK_CUDA(cudaDeviceSynchronize());
 }
 
+// Stream-ordered memory and streams that go away or are captured:
+// - a buffer dropped while work using it is still queued (a read-back behind slow
+//   divisions), then a new buffer of the same size (the pool's memory, often the same
+//   bytes) allocated and poisoned at once: the queued read-back still sees its own data;
+// - the free does not wait for the device (noted, with pools);
+// - set_stream away from a stream the framework has destroyed, and away from one now
+//   being captured (the capture must stay empty and end cleanly), still orders the work.
+void check_stream_ordered_memory(Report& r, int device) {
+  auto gpu = CudaBackend::create(device, 0);
+  r.check(gpu->stream_ordered(), "stream-ordered memory",
+          "the device has no memory pools: cudaMalloc/cudaFree fallback (unexpected on an H200)");
+  r.check(gpu->unusable_reason().empty(), "unusable_reason", "not empty: " + gpu->unusable_reason());
+  auto pinned = gpu->allocate_host(4 * 1024);
+  float* host = static_cast<float*>(pinned->data());
+  constexpr uint64_t kTail = 1024;
+  {
+    Stream a, b;
+    gpu->set_stream(a.get());
+    auto x = gpu->allocate(kBig * 4);
+    std::vector<float> init(kBig, 0x1p20f);
+    gpu->upload(x->data(), init.data(), kBig * 4);
+    float* xd = static_cast<float*>(x->data());
+    for (int k = 0; k < kPasses; ++k) gpu->divide(xd, kBig, 2.0f);
+    auto event = gpu->read_back(host, xd + kBig - kTail, kTail * 4);
+    const uint64_t held = gpu->device_bytes();
+    const double t0 = cli::seconds_now();
+    x.reset();  // while the divisions and the read-back are queued
+    const double free_s = cli::seconds_now() - t0;
+    const bool queued = !event->ready();
+    r.check(gpu->device_bytes() == held - kBig * 4, "stream-ordered memory", "a freed buffer is still counted");
+    // Reuse at once, on the same stream and on another one, poisoned by the backend's own
+    // operations (ordered after the read-back, whatever memory the pool hands out).
+    auto y = gpu->allocate(kBig * 4);
+    gpu->divide(static_cast<float*>(y->data()), kBig, 0.0f);  // 0/0: NaN everywhere
+    gpu->set_stream(b.get());
+    auto z = gpu->allocate(kBig * 4);
+    gpu->divide(static_cast<float*>(z->data()), kBig, 0.0f);
+    event->wait();
+    r.check(all_equal(host, kTail, std::ldexp(1.0f, 20 - kPasses)), "stream-ordered memory",
+            strf("a read-back queued before its buffer was freed saw %.9g, not 2^%d: the memory was reused early",
+                 host[0], 20 - kPasses));
+    r.note("stream-ordered memory", strf("a free behind %d queued divisions of 256 MB took %.3f ms (work still "
+                                         "queued then: %s)",
+                                         kPasses, free_s * 1e3, queued ? "yes" : "no"));
+    gpu->read_back(host, z->data(), 4)->wait();
+    r.check(std::isnan(host[0]), "stream-ordered memory", "a new buffer's queued work did not run");
+    gpu->set_stream(nullptr);
+  }
+  // The framework destroys the stream the backend used last; set_stream must not touch
+  // it, and the next stream still sees the work enqueued there.
+  {
+    Stream b;
+    auto buf = gpu->allocate(kBig * 4);
+    float* d = static_cast<float*>(buf->data());
+    {
+      Stream doomed;
+      gpu->set_stream(doomed.get());
+      std::vector<float> init(kBig, 0x1p20f);
+      gpu->upload(d, init.data(), kBig * 4);
+      for (int k = 0; k < 16; ++k) gpu->divide(d, kBig, 2.0f);
+    }  // cudaStreamDestroy with work queued
+    bool ok = true;
+    try {
+      gpu->set_stream(b.get());
+    } catch (const std::exception& e) {
+      ok = false;
+      r.fail("set_stream lifetimes", std::string("set_stream after the old stream was destroyed threw: ") + e.what());
+    }
+    if (ok) {
+      gpu->read_back(host, d + kBig - kTail, kTail * 4)->wait();
+      r.check(all_equal(host, kTail, 0x1p4f), "set_stream lifetimes",
+              strf("after a destroyed stream, the next stream saw %.9g, not 2^4", host[0]));
+    }
+    // The stream the backend used last is now captured (thread-local mode) by the
+    // framework: switching away must add nothing to the capture.
+    Stream captured;
+    gpu->set_stream(captured.get());
+    gpu->divide(d, kBig, 2.0f);
+    CHECK_CUDA(cudaStreamBeginCapture(captured.get(), cudaStreamCaptureModeThreadLocal));
+    cudaError_t switched = cudaSuccess;
+    try {
+      gpu->set_stream(b.get());
+    } catch (const std::exception& e) {
+      switched = cudaErrorUnknown;
+      r.fail("set_stream lifetimes", std::string("set_stream away from a capturing stream threw: ") + e.what());
+    }
+    cudaGraph_t graph = nullptr;
+    const cudaError_t ended = cudaStreamEndCapture(captured.get(), &graph);
+    size_t nodes = 0;
+    if (graph) {
+      cudaGraphGetNodes(graph, nullptr, &nodes);
+      cudaGraphDestroy(graph);
+    }
+    r.check(switched == cudaSuccess && ended == cudaSuccess && nodes == 0, "set_stream lifetimes",
+            strf("switching away from a capturing stream: capture ended with %s, %zu nodes", cudaGetErrorName(ended),
+                 nodes));
+    cudaGetLastError();
+    gpu->read_back(host, d + kBig - kTail, kTail * 4)->wait();
+    r.check(all_equal(host, kTail, 0x1p3f), "set_stream lifetimes",
+            strf("after a captured stream, the next stream saw %.9g, not 2^3", host[0]));
+    gpu->set_stream(nullptr);
+  }
+  CHECK_CUDA(cudaDeviceSynchronize());
+}
+
 void check_cap(Report& r, int device) {
   constexpr uint64_t kCap = 1 << 20;
   auto gpu = CudaBackend::create(device, kCap);
@@ -876,10 +1006,13 @@ void check_cap(Report& r, int device) {
     CHECK_CUDA(cudaDeviceSynchronize());
     const std::vector<uint8_t> measured{1};
     const collective::Backend::Measure m{layer.candidates, measured, reinterpret_cast<double*>(sq.get()), nf.get(), 1.0};
+    r.check(throws_bad_alloc([&] { gpu->prepare_measure(plan, layer.candidates); }), "memory cap",
+            "prepare_measure whose statistics scratch passes the cap did not throw std::bad_alloc");
     r.check(throws_bad_alloc([&] {
               gpu->measure(plan, plan.segments, ElementSpan{in.get(), DType::kFloat32, 0}, nullptr, 0, m);
             }),
             "memory cap", "measure whose statistics scratch passes the cap did not throw std::bad_alloc");
+    r.check(gpu->device_bytes() == (600 << 10), "memory cap", "a refused statistics scratch changed device_bytes");
     auto roomy = CudaBackend::create(device, 0);
     roomy->measure(plan, plan.segments, ElementSpan{in.get(), DType::kFloat32, 0}, nullptr, 0, m);
     CHECK_CUDA(cudaDeviceSynchronize());
@@ -923,6 +1056,8 @@ void check_runtime(Report& r, int device, int device_count) {
   r.check(cudaGetLastError() == cudaSuccess, "runtime", "create_backend's failure left an error set");
   auto backend = runtime->create_backend(device, 0);
   r.check(backend && backend->name() == "cuda", "runtime", "create_backend did not give a cuda backend");
+  r.check(backend && backend->unusable_reason().empty(), "unusable_reason",
+          "the runtime's backend says the device is unusable: " + (backend ? backend->unusable_reason() : ""));
 
   // The guard with two devices: the backend on the other one, the caller's current device
   // unchanged by its calls.
@@ -1006,6 +1141,8 @@ int run_check(const Options& o) {
     }
     stage = "streams, events and marks";
     check_streams_events_marks(r, *gpu, o.device);
+    stage = "stream-ordered memory and stream lifetimes";
+    check_stream_ordered_memory(r, o.device);
     stage = "memory cap";
     check_cap(r, o.device);
     stage = "runtime";
