@@ -107,6 +107,8 @@ struct CudaBackend::Shared {
     // Pending frees on free_stream still complete after it is destroyed.
     if (free_stream) cudaStreamDestroy(free_stream);
     if (last_work) cudaEventDestroy(last_work);
+    // Returns at once; the pool goes when its last allocation is freed.
+    if (pool) cudaMemPoolDestroy(pool);
   }
   Shared(const Shared&) = delete;
   Shared& operator=(const Shared&) = delete;
@@ -124,7 +126,7 @@ struct CudaBackend::Shared {
     }
     if (!pools || e != cudaSuccess) {
       // No pools, or the stream-ordered free refused (a faulted context): cudaFree, which
-      // waits for the device (it also frees memory from cudaMallocAsync).
+      // waits for the device (it also frees memory from a pool).
       if (e != cudaSuccess) cudaGetLastError();
       cudaFree(data);
     }
@@ -132,7 +134,11 @@ struct CudaBackend::Shared {
   }
 
   int device;
-  bool pools = false;                  // cudaMallocAsync / cudaFreeAsync
+  bool pools = false;                  // stream-ordered allocation from `pool`
+  // lgreco's own pool rather than the device's default one: its access can be granted to
+  // peer GPUs without changing the framework's memory, and NCCL reads and writes our
+  // buffers directly from a peer GPU in single-process multi-GPU jobs (P2P direct).
+  cudaMemPool_t pool = nullptr;
   cudaStream_t free_stream = nullptr;  // the backend's own, non-blocking
   cudaEvent_t last_work = nullptr;     // re-recorded after every enqueueing operation
   std::atomic<uint64_t> device_bytes{0};
@@ -497,6 +503,28 @@ std::unique_ptr<CudaBackend> CudaBackend::create(int device, uint64_t memory_cap
         "cudaDeviceGetAttribute (memory pools)");
   shared.pools = pools != 0;
   if (shared.pools) {
+    cudaMemPoolProps props{};
+    props.allocType = cudaMemAllocationTypePinned;
+    props.location.type = cudaMemLocationTypeDevice;
+    props.location.id = device;
+    check(cudaMemPoolCreate(&shared.pool, &props), "cudaMemPoolCreate");
+    // Every GPU that can reach this one may access the pool's memory, as it could
+    // cudaMalloc'd memory once peer access is enabled (NCCL's P2P direct mode).
+    int devices = 0;
+    if (cudaGetDeviceCount(&devices) != cudaSuccess) cudaGetLastError(), devices = 0;
+    for (int peer = 0; peer < devices; ++peer) {
+      int can = 0;
+      if (peer == device || cudaDeviceCanAccessPeer(&can, peer, device) != cudaSuccess || !can) continue;
+      cudaMemAccessDesc access{};
+      access.location.type = cudaMemLocationTypeDevice;
+      access.location.id = peer;
+      access.flags = cudaMemAccessFlagsProtReadWrite;
+      if (cudaMemPoolSetAccess(shared.pool, &access, 1) != cudaSuccess) {
+        cudaGetLastError();
+        LGRECO_INFO("SHIM", "cannot give CUDA device %d access to lgreco's memory on device %d", peer, device);
+      }
+    }
+    cudaGetLastError();  // cudaDeviceCanAccessPeer's errors are not the framework's
     check(cudaStreamCreateWithFlags(&shared.free_stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags (frees)");
   } else {
     static std::once_flag once;
@@ -592,7 +620,7 @@ namespace {
 void* device_malloc(const CudaBackend::Shared& shared, uint64_t bytes, cudaStream_t stream, const char* what) {
   void* data = nullptr;
   const uint64_t n = std::max<uint64_t>(bytes, 1);
-  const cudaError_t e = shared.pools ? cudaMallocAsync(&data, n, stream) : cudaMalloc(&data, n);
+  const cudaError_t e = shared.pools ? cudaMallocFromPoolAsync(&data, n, shared.pool, stream) : cudaMalloc(&data, n);
   if (e != cudaSuccess) allocation_failed(e, what, bytes, shared.device);
   return data;
 }
@@ -601,7 +629,7 @@ void* device_malloc(const CudaBackend::Shared& shared, uint64_t bytes, cudaStrea
 std::unique_ptr<collective::Backend::Buffer> CudaBackend::allocate(uint64_t bytes) {
   DeviceGuard guard(device_);
   reserve(bytes, "device");
-  void* data = device_malloc(*shared_, bytes, stream_, shared_->pools ? "cudaMallocAsync" : "cudaMalloc");
+  void* data = device_malloc(*shared_, bytes, stream_, shared_->pools ? "cudaMallocFromPoolAsync" : "cudaMalloc");
   shared_->device_bytes += bytes;
   std::unique_ptr<Buffer> buffer;
   try {
@@ -831,7 +859,7 @@ void CudaBackend::grow_scratch(uint64_t bytes) {
   }
   reserve(bytes, "device (statistics scratch)");
   scratch_ = device_malloc(*shared_, bytes, stream_,
-                           shared_->pools ? "cudaMallocAsync (statistics scratch)" : "cudaMalloc (statistics scratch)");
+                           shared_->pools ? "cudaMallocFromPoolAsync (statistics scratch)" : "cudaMalloc (statistics scratch)");
   scratch_bytes_ = bytes;
   shared_->device_bytes += bytes;
   enqueued("allocating the statistics scratch");

@@ -23,8 +23,9 @@
 // enqueues after the backend's last operation of a call is not covered; in the engine a
 // call always ends with a backend operation (decode, narrow, read_back or a mark).
 //
-// Memory. Device buffers are stream-ordered (cudaMallocAsync on the current stream,
-// zero-filled there; cudaFreeAsync as above): no allocation or free waits for the device,
+// Memory. Device buffers are stream-ordered (cudaMallocFromPoolAsync from lgreco's own
+// memory pool, which peer GPUs may access as NCCL's P2P direct mode needs, on the
+// current stream, zero-filled there; cudaFreeAsync as above): no allocation or free waits for the device,
 // so none can deadlock against another communicator's kernel that waits for a peer, nor
 // invalidate a global-mode graph capture on another stream. Devices without memory pools
 // fall back to cudaMalloc / cudaFree (which synchronise the device), with one INFO line.
@@ -71,7 +72,7 @@ class CudaBackend final : public StreamBackend {
   // Found once by create(): "" when the device runs the backend's kernels, else why not
   // (a compute capability this build has no code for).
   std::string unusable_reason() const override { return unusable_; }
-  // Whether device memory is stream-ordered (cudaMallocAsync); false: cudaMalloc/cudaFree.
+  // Whether device memory is stream-ordered (lgreco's pool); false: cudaMalloc/cudaFree.
   bool stream_ordered() const;
 
   // Backend
