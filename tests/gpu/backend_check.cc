@@ -46,6 +46,7 @@
 #include <utility>
 #include <vector>
 
+#include "tests/gpu/check_util.h"
 #include "kernels/codec_spec.h"
 #include "kernels/dtype.h"
 #include "kernels/quant.h"
@@ -84,48 +85,13 @@ constexpr uint8_t kPoison = 0xA5;
 // ---------------------------------------------------------------------------------------
 // Small helpers
 
-[[gnu::format(printf, 1, 2)]] std::string strf(const char* format, ...) {
-  va_list args;
-  va_start(args, format);
-  va_list again;
-  va_copy(again, args);
-  const int n = vsnprintf(nullptr, 0, format, args);
-  va_end(args);
-  std::string s(n > 0 ? static_cast<size_t>(n) : 0, '\0');
-  if (n > 0) vsnprintf(s.data(), s.size() + 1, format, again);
-  va_end(again);
-  return s;
-}
-
-using ull = unsigned long long;
-using Rng = std::mt19937_64;
-uint64_t below(Rng& rng, uint64_t n) { return n == 0 ? 0 : rng() % n; }
-bool chance(Rng& rng, double p) { return std::uniform_real_distribution<double>(0.0, 1.0)(rng) < p; }
-template <class T>
-T pick(Rng& rng, std::initializer_list<T> items) {
-  return items.begin()[below(rng, items.size())];
-}
-constexpr DType kDTypes[] = {DType::kFloat32, DType::kFloat16, DType::kBFloat16};
-
-class CudaFailure : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
-[[noreturn]] void cuda_failed(cudaError_t e, const char* call, int line) {
-  throw CudaFailure(strf("%s failed (backend_check.cc:%d): %s: %s", call, line, cudaGetErrorName(e),
-                         cudaGetErrorString(e)));
-}
-#define CHECK_CUDA(call)                                                        \
-  do {                                                                          \
-    const cudaError_t check_cuda_status_ = (call);                              \
-    if (check_cuda_status_ != cudaSuccess) cuda_failed(check_cuda_status_, #call, __LINE__); \
-  } while (0)
+using namespace gpu_check;
 
 // Device memory of the harness (not the backend's), with blocking copies.
 class Dev {
  public:
   Dev() = default;
-  explicit Dev(uint64_t bytes) : bytes_(bytes) { CHECK_CUDA(cudaMalloc(&ptr_, std::max<uint64_t>(bytes, 256))); }
+  explicit Dev(uint64_t bytes) : bytes_(bytes) { LGRECO_CUDA_CHECK(cudaMalloc(&ptr_, std::max<uint64_t>(bytes, 256))); }
   ~Dev() {
     if (ptr_) cudaFree(ptr_);
   }
@@ -152,22 +118,22 @@ class Dev {
 // enqueues later on its own (non-blocking) stream can overtake the copy.
 Dev to_device(const std::vector<uint8_t>& host) {
   Dev d(host.size());
-  if (!host.empty()) CHECK_CUDA(cudaMemcpy(d.get(), host.data(), host.size(), cudaMemcpyHostToDevice));
-  CHECK_CUDA(cudaDeviceSynchronize());
+  if (!host.empty()) LGRECO_CUDA_CHECK(cudaMemcpy(d.get(), host.data(), host.size(), cudaMemcpyHostToDevice));
+  LGRECO_CUDA_CHECK(cudaDeviceSynchronize());
   return d;
 }
 // After everything enqueued anywhere has run.
 std::vector<uint8_t> from_device(const void* d, uint64_t bytes) {
-  CHECK_CUDA(cudaDeviceSynchronize());
+  LGRECO_CUDA_CHECK(cudaDeviceSynchronize());
   std::vector<uint8_t> host(bytes);
-  if (bytes) CHECK_CUDA(cudaMemcpy(host.data(), d, bytes, cudaMemcpyDeviceToHost));
+  if (bytes) LGRECO_CUDA_CHECK(cudaMemcpy(host.data(), d, bytes, cudaMemcpyDeviceToHost));
   return host;
 }
 std::vector<uint8_t> from_device(const Dev& d) { return from_device(d.get(), d.size()); }
 
 class Stream {
  public:
-  Stream() { CHECK_CUDA(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking)); }
+  Stream() { LGRECO_CUDA_CHECK(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking)); }
   ~Stream() {
     if (s_) cudaStreamDestroy(s_);
   }
@@ -723,8 +689,8 @@ void check_memory_ops(Ctx& c) {
   {
     // A freed buffer poisoned, then a new one of the same size (often the same memory).
     auto first = c.gpu.allocate(bytes);
-    CHECK_CUDA(cudaMemset(first->data(), 0xff, bytes));
-    CHECK_CUDA(cudaDeviceSynchronize());
+    LGRECO_CUDA_CHECK(cudaMemset(first->data(), 0xff, bytes));
+    LGRECO_CUDA_CHECK(cudaDeviceSynchronize());
   }
   auto buf = c.gpu.allocate(bytes);
   auto pinned = c.gpu.allocate_host(bytes);
@@ -781,8 +747,8 @@ void check_streams_events_marks(Report& r, CudaBackend& gpu, int device) {
   Stream a, b;
   std::vector<float> init(kBig, 0x1p20f);
   Dev d(kBig * 4);
-  CHECK_CUDA(cudaMemcpy(d.get(), init.data(), kBig * 4, cudaMemcpyHostToDevice));
-  CHECK_CUDA(cudaDeviceSynchronize());
+  LGRECO_CUDA_CHECK(cudaMemcpy(d.get(), init.data(), kBig * 4, cudaMemcpyHostToDevice));
+  LGRECO_CUDA_CHECK(cudaDeviceSynchronize());
   init.clear();
   init.shrink_to_fit();
   const uint64_t tail = uint64_t{1} << 20;  // the last 4 MB, written by the last blocks
@@ -844,11 +810,11 @@ void check_streams_events_marks(Report& r, CudaBackend& gpu, int device) {
   auto last = gpu.read_back(host, acc, 4);
   last->wait();
   int current = -1;
-  CHECK_CUDA(cudaGetDevice(&current));
+  LGRECO_CUDA_CHECK(cudaGetDevice(&current));
   r.check(current == device, "device guard", strf("the current device is %d after the backend's calls, not %d", current,
                                                   device));
   gpu.set_stream(nullptr);
-  CHECK_CUDA(cudaDeviceSynchronize());
+  LGRECO_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
 // Stream-ordered memory and streams that go away or are captured:
@@ -929,7 +895,7 @@ void check_stream_ordered_memory(Report& r, int device) {
     Stream captured;
     gpu->set_stream(captured.get());
     gpu->divide(d, kBig, 2.0f);
-    CHECK_CUDA(cudaStreamBeginCapture(captured.get(), cudaStreamCaptureModeThreadLocal));
+    LGRECO_CUDA_CHECK(cudaStreamBeginCapture(captured.get(), cudaStreamCaptureModeThreadLocal));
     cudaError_t switched = cudaSuccess;
     try {
       gpu->set_stream(b.get());
@@ -953,7 +919,7 @@ void check_stream_ordered_memory(Report& r, int device) {
             strf("after a captured stream, the next stream saw %.9g, not 2^3", host[0]));
     gpu->set_stream(nullptr);
   }
-  CHECK_CUDA(cudaDeviceSynchronize());
+  LGRECO_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
 void check_cap(Report& r, int device) {
@@ -1000,10 +966,10 @@ void check_cap(Report& r, int device) {
     layout.layers.push_back(layer);
     const Plan plan = collective::make_plan(layout, std::vector<CodecSpec>{layer.candidates[0]}, 1);
     Dev in(layout.count * 4), sq(2 * sizeof(double)), nf(1);
-    CHECK_CUDA(cudaMemset(in.get(), 0, in.size()));
-    CHECK_CUDA(cudaMemset(sq.get(), 0, sq.size()));
-    CHECK_CUDA(cudaMemset(nf.get(), 0, nf.size()));
-    CHECK_CUDA(cudaDeviceSynchronize());
+    LGRECO_CUDA_CHECK(cudaMemset(in.get(), 0, in.size()));
+    LGRECO_CUDA_CHECK(cudaMemset(sq.get(), 0, sq.size()));
+    LGRECO_CUDA_CHECK(cudaMemset(nf.get(), 0, nf.size()));
+    LGRECO_CUDA_CHECK(cudaDeviceSynchronize());
     const std::vector<uint8_t> measured{1};
     const collective::Backend::Measure m{layer.candidates, measured, reinterpret_cast<double*>(sq.get()), nf.get(), 1.0};
     r.check(throws_bad_alloc([&] { gpu->prepare_measure(plan, layer.candidates); }), "memory cap",
@@ -1015,7 +981,7 @@ void check_cap(Report& r, int device) {
     r.check(gpu->device_bytes() == (600 << 10), "memory cap", "a refused statistics scratch changed device_bytes");
     auto roomy = CudaBackend::create(device, 0);
     roomy->measure(plan, plan.segments, ElementSpan{in.get(), DType::kFloat32, 0}, nullptr, 0, m);
-    CHECK_CUDA(cudaDeviceSynchronize());
+    LGRECO_CUDA_CHECK(cudaDeviceSynchronize());
     r.check(roomy->device_bytes() > 0, "memory cap", "the statistics scratch is not counted in device_bytes");
   }
 
@@ -1029,7 +995,7 @@ void check_cap(Report& r, int device) {
           strf("the out-of-memory error was left for the framework to find: %s", cudaGetErrorName(last)));
   auto small = free_gpu->allocate(4096);
   free_gpu->fill_zero(small->data(), 4096);
-  CHECK_CUDA(cudaDeviceSynchronize());
+  LGRECO_CUDA_CHECK(cudaDeviceSynchronize());
   r.pass("memory cap");
 }
 
@@ -1039,10 +1005,10 @@ void check_runtime(Report& r, int device, int device_count) {
   Stream s;
   std::string error;
   r.check(!runtime->capturing(s.get(), &error), "runtime", "capturing() is true on an idle stream: " + error);
-  CHECK_CUDA(cudaStreamBeginCapture(s.get(), cudaStreamCaptureModeThreadLocal));
+  LGRECO_CUDA_CHECK(cudaStreamBeginCapture(s.get(), cudaStreamCaptureModeThreadLocal));
   const bool during = runtime->capturing(s.get(), &error);
   cudaGraph_t graph = nullptr;
-  CHECK_CUDA(cudaStreamEndCapture(s.get(), &graph));
+  LGRECO_CUDA_CHECK(cudaStreamEndCapture(s.get(), &graph));
   if (graph) cudaGraphDestroy(graph);
   r.check(during, "runtime", "capturing() is false during a capture");
   bool threw = false;
@@ -1066,9 +1032,9 @@ void check_runtime(Report& r, int device, int device_count) {
     return;
   }
   const int other = device == 0 ? 1 : 0;
-  CHECK_CUDA(cudaSetDevice(other));
+  LGRECO_CUDA_CHECK(cudaSetDevice(other));
   Stream other_stream;
-  CHECK_CUDA(cudaSetDevice(device));
+  LGRECO_CUDA_CHECK(cudaSetDevice(device));
   auto gpu = CudaBackend::create(other, 0);
   gpu->set_stream(other_stream.get());
   auto buf = gpu->allocate(4096 * 4);
@@ -1078,7 +1044,7 @@ void check_runtime(Report& r, int device, int device_count) {
   std::vector<float> back(4096);
   gpu->read_back(back.data(), buf->data(), back.size() * 4)->wait();
   int current = -1;
-  CHECK_CUDA(cudaGetDevice(&current));
+  LGRECO_CUDA_CHECK(cudaGetDevice(&current));
   r.check(current == device, "device guard", strf("current device %d after calls on device %d's backend", current, other));
   r.check(all_equal(back.data(), back.size(), 2.0f), "device guard", "the other device's backend computed wrongly");
 }
@@ -1102,11 +1068,11 @@ int run_check(const Options& o) {
   Rng rng(seed);
   Report r;
   int count = 0;
-  CHECK_CUDA(cudaGetDeviceCount(&count));
+  LGRECO_CUDA_CHECK(cudaGetDeviceCount(&count));
   const double start = cli::seconds_now();
   std::string stage = "setup";
   try {
-    CHECK_CUDA(cudaSetDevice(o.device));
+    LGRECO_CUDA_CHECK(cudaSetDevice(o.device));
     CpuBackend cpu;
     auto gpu = CudaBackend::create(o.device, 0);
     Stream stream;
@@ -1147,7 +1113,7 @@ int run_check(const Options& o) {
     check_cap(r, o.device);
     stage = "runtime";
     check_runtime(r, o.device, count);
-    CHECK_CUDA(cudaDeviceSynchronize());
+    LGRECO_CUDA_CHECK(cudaDeviceSynchronize());
   } catch (const CudaFailure& e) {
     r.fail("cuda", stage + ": " + e.what() + " (a kernel fault surfaces at the next synchronisation; later checks skipped)");
   } catch (const std::exception& e) {
@@ -1223,7 +1189,7 @@ int run(int argc, char** argv) {
     return kExitNoDevice;
   }
   cudaDeviceProp prop{};
-  CHECK_CUDA(cudaGetDeviceProperties(&prop, o.device));
+  LGRECO_CUDA_CHECK(cudaGetDeviceProperties(&prop, o.device));
   printf("# device %d: %s, sm_%d%d, %.1f GiB\n", o.device, prop.name, prop.major, prop.minor,
          static_cast<double>(prop.totalGlobalMem) / 1073741824.0);
   return run_check(o);

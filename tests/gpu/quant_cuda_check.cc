@@ -43,6 +43,7 @@
 #include <utility>
 #include <vector>
 
+#include "tests/gpu/check_util.h"
 #include "config/version.h"
 #include "kernels/codec.h"
 #include "kernels/codec_spec.h"
@@ -91,49 +92,7 @@ constexpr unsigned long long kCounterStart = 1000003;
 // ---------------------------------------------------------------------------------------
 // Small helpers
 
-[[gnu::format(printf, 1, 2)]] std::string strf(const char* format, ...) {
-  va_list args;
-  va_start(args, format);
-  va_list again;
-  va_copy(again, args);
-  const int n = vsnprintf(nullptr, 0, format, args);
-  va_end(args);
-  std::string s(n > 0 ? static_cast<size_t>(n) : 0, '\0');
-  if (n > 0) vsnprintf(s.data(), s.size() + 1, format, again);
-  va_end(again);
-  return s;
-}
-
-using ull = unsigned long long;
-using Rng = std::mt19937_64;
-
-uint64_t below(Rng& rng, uint64_t n) { return n == 0 ? 0 : rng() % n; }
-bool chance(Rng& rng, double p) { return std::uniform_real_distribution<double>(0.0, 1.0)(rng) < p; }
-template <class T>
-T pick(Rng& rng, std::initializer_list<T> items) {
-  return items.begin()[below(rng, items.size())];
-}
-
-constexpr DType kDTypes[] = {DType::kFloat32, DType::kFloat16, DType::kBFloat16};
-
-// ---------------------------------------------------------------------------------------
-// CUDA runtime calls: every one checked, failures thrown with the call's text.
-
-class CudaFailure : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
-
-[[noreturn]] void cuda_failed(cudaError_t e, const char* call, int line) {
-  throw CudaFailure(strf("%s failed (quant_cuda_check.cc:%d): %s: %s", call, line, cudaGetErrorName(e),
-                         cudaGetErrorString(e)));
-}
-
-#define LGRECO_CUDA_CHECK(call)                                                           \
-  do {                                                                                    \
-    const cudaError_t lgreco_cuda_status_ = (call);                                       \
-    if (lgreco_cuda_status_ != cudaSuccess) cuda_failed(lgreco_cuda_status_, #call, __LINE__); \
-  } while (0)
+using namespace gpu_check;
 
 // Device memory, freed by its owner.
 class DeviceBuffer {
