@@ -576,7 +576,8 @@ void CudaBackend::enqueued(const char* what) {
 }
 
 void CudaBackend::set_stream(nccl::Stream stream) {
-  if (stream == stream_) return;
+  // Even for the same handle: a destroyed stream's address may come back for a new one
+  // while the old one's work is still queued (the wait costs about a microsecond).
   DeviceGuard guard(device_);
   // The new stream waits for the last work enqueued on any earlier stream, recorded when
   // that work was enqueued (cuda_backend.h: the old stream may be gone or captured now,
@@ -630,6 +631,14 @@ std::unique_ptr<collective::Backend::Buffer> CudaBackend::allocate(uint64_t byte
   DeviceGuard guard(device_);
   reserve(bytes, "device");
   void* data = device_malloc(*shared_, bytes, stream_, shared_->pools ? "cudaMallocFromPoolAsync" : "cudaMalloc");
+  // Recorded at once, so that any free on the backend's own stream (the buffer's, or the
+  // error paths below) is ordered after the allocation.
+  try {
+    enqueued("allocate");
+  } catch (...) {
+    if (shared_->pools ? cudaFreeAsync(data, stream_) : cudaFree(data)) cudaGetLastError();
+    throw;
+  }
   shared_->device_bytes += bytes;
   std::unique_ptr<Buffer> buffer;
   try {

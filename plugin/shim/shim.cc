@@ -556,6 +556,9 @@ void Shim::agree(CommState& s, const Call& call) {
   std::unique_ptr<collective::Backend::Buffer> device_buffer, host_buffer;
   try {
     s.backend = runtime_->create_backend(s.device, options_.params.max_memory);
+    // The call's stream before anything is enqueued: not the legacy default stream, which
+    // waits for every blocking stream and breaks a global-mode capture elsewhere.
+    s.backend->set_stream(call.stream);
     if (problem.empty()) problem = s.backend->unusable_reason();
     device_buffer = s.backend->allocate(sizeof(AgreementRecord) * (s.size + 1));
     // Pinned, so that the copy back is queued and the wait below is ours (a copy to

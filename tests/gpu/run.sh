@@ -21,7 +21,8 @@
 #              compute-sanitizer memcheck pass of --check --quick when the tool works.
 #              About 2-3 minutes on an H200, most of it a cold build; bounded by
 #              LGRECO_GPU_BACKEND_SECONDS (default 420). The shim section does not run
-#              it: `tests/gpu/run.sh backend shim` runs both, the backend first.
+#              it. The device tool allows 10 minutes per command: run `backend` and
+#              `shim` as two commands (their deadlines add up to 15 minutes).
 #   shim       the collective shim on the GPU, 2 and 4 NCCL ranks sharing the one GPU
 #              (a distinct NCCL_HOSTID each, NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1
 #              NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo): builds build/lib/liblgreco.so,
@@ -39,7 +40,8 @@
 #                 epochs in the adaptive run's decision log.
 #              Tables after the summary. About 8 minutes on an H200 with a cold build;
 #              bounded by LGRECO_GPU_SHIM_SECONDS (default 480). It does not run the
-#              backend section first: run `tests/gpu/run.sh backend shim` for both.
+#              backend section first: run `tests/gpu/run.sh backend`, then
+#              `tests/gpu/run.sh shim`, as two device-tool commands.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 2
 OUT=${OUT:-/tmp/lgreco-gpu}
@@ -249,7 +251,8 @@ section_backend() {
   fi
   t=$(step_time 300 "$deadline")
   NVCC_APPEND_FLAGS="${NVCC_APPEND_FLAGS:+$NVCC_APPEND_FLAGS }--threads 0" \
-    timeout "$t" make -j"$JOBS" "$bin" CUDA_HOME="$cuda" PYTHON="$PY" > "$OUT/backend-build.log" 2>&1
+    timeout "$t" make -j"$JOBS" "$bin" build/bin/lgreco-gpu-codec-check CUDA_HOME="$cuda" PYTHON="$PY" \
+    > "$OUT/backend-build.log" 2>&1
   rc=$?
   if [[ $rc -ne 0 || ! -x "$bin" ]]; then
     detail=$(grep -m 1 -E 'error|No rule' "$OUT/backend-build.log" | cut -c1-100)
@@ -289,6 +292,12 @@ section_backend() {
     row backend "compute-sanitizer memcheck" INFO "skipped: compute-sanitizer not found (PATH, $cuda/bin, $cuda/compute-sanitizer)"
   elif [[ $t -eq 0 ]]; then
     row backend "compute-sanitizer memcheck" INFO "skipped: the section ran out of time"
+  elif ! timeout 60 "$cs" --tool memcheck --error-exitcode 99 build/bin/lgreco-gpu-codec-check --info \
+         > "$OUT/backend-sanitizer-trivial.log" 2>&1; then
+    # As in the codec section: a sanitizer that fails a trivial run (one allocation, one
+    # copy, one launch) cannot tell us anything here.
+    row backend "compute-sanitizer memcheck" INFO \
+      "skipped: it fails on a trivial run: $(last_line "$OUT/backend-sanitizer-trivial.log")"
   else
     timeout "$t" "$cs" --tool memcheck --error-exitcode 99 --print-limit 20 \
       "$bin" --check --quick --time-limit $((t - 10)) > "$OUT/backend-memcheck.log" 2>&1
@@ -296,11 +305,11 @@ section_backend() {
     local errors result
     errors=$(grep -E 'ERROR SUMMARY' "$OUT/backend-memcheck.log" | tail -n 1 | sed 's/^[= ]*//')
     result=$(grep -E '^RESULT: ' "$OUT/backend-memcheck.log" | tail -n 1)
-    # Memory errors decide this row; a sanitizer that cannot run at all here (no ERROR
-    # SUMMARY, not a timeout) is reported, not counted (the codec section tells why).
-    r=PASS
-    if [[ $rc -eq 99 || $rc -eq 124 || ! "$errors" =~ ERROR\ SUMMARY:\ 0\ errors ]]; then r=FAIL; fi
-    [[ -z "$errors" && $rc -ne 99 && $rc -ne 124 ]] && r=INFO
+    # PASS needs a clean exit and no memory error; memory errors (exit 99) and timeouts
+    # fail; any other exit (the check failing, already reported above) is noted.
+    if [[ $rc -eq 0 && "$errors" =~ ERROR\ SUMMARY:\ 0\ errors ]]; then r=PASS
+    elif [[ $rc -eq 99 || $rc -eq 124 ]]; then r=FAIL
+    else r=INFO; fi
     detail="${errors:-no ERROR SUMMARY (exit $rc)}; --check --quick ${result:-exit $rc}"
     [[ $rc -eq 124 ]] && detail="timed out after $t s; $detail"
     row backend "memcheck --check --quick" "$r" "$detail (backend-memcheck.log)"
