@@ -55,40 +55,27 @@ void check(cudaError_t e, const char* call) {
 
 // Makes `device` current for the guard's life and then restores the caller's device:
 // the framework's thread may have another device current than the communicator's.
+// kQuiet is for destructors: a failure there is not thrown (it has been or will be
+// reported by the operation that met it), the device just stays as it is.
 class DeviceGuard {
  public:
-  explicit DeviceGuard(int device) {
-    check(cudaGetDevice(&previous_), "cudaGetDevice");
-    if (previous_ != device) {
-      const cudaError_t e = cudaSetDevice(device);
-      if (e != cudaSuccess) cuda_failed(e, "cudaSetDevice(" + std::to_string(device) + ")");
-      restore_ = true;
+  enum OnError { kThrow, kQuiet };
+  explicit DeviceGuard(int device, OnError on_error = kThrow) {
+    const cudaError_t got = cudaGetDevice(&previous_);
+    if (got != cudaSuccess) {
+      if (on_error == kThrow) cuda_failed(got, "cudaGetDevice");
+      return;
     }
+    if (previous_ == device) return;
+    const cudaError_t e = cudaSetDevice(device);
+    if (e == cudaSuccess) restore_ = true;
+    else if (on_error == kThrow) cuda_failed(e, "cudaSetDevice(" + std::to_string(device) + ")");
   }
   ~DeviceGuard() {
     if (restore_) cudaSetDevice(previous_);
   }
   DeviceGuard(const DeviceGuard&) = delete;
   DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = 0;
-  bool restore_ = false;
-};
-
-// For destructors: the same without throwing (a failure there has been or will be
-// reported by the operation that met it).
-class QuietDeviceGuard {
- public:
-  explicit QuietDeviceGuard(int device) {
-    if (cudaGetDevice(&previous_) == cudaSuccess && previous_ != device && cudaSetDevice(device) == cudaSuccess)
-      restore_ = true;
-  }
-  ~QuietDeviceGuard() {
-    if (restore_) cudaSetDevice(previous_);
-  }
-  QuietDeviceGuard(const QuietDeviceGuard&) = delete;
-  QuietDeviceGuard& operator=(const QuietDeviceGuard&) = delete;
 
  private:
   int previous_ = 0;
@@ -103,7 +90,7 @@ class QuietDeviceGuard {
 struct CudaBackend::Shared {
   explicit Shared(int d) : device(d) {}
   ~Shared() {
-    QuietDeviceGuard guard(device);
+    DeviceGuard guard(device, DeviceGuard::kQuiet);
     // Pending frees on free_stream still complete after it is destroyed.
     if (free_stream) cudaStreamDestroy(free_stream);
     if (last_work) cudaEventDestroy(last_work);
@@ -118,7 +105,7 @@ struct CudaBackend::Shared {
   // which may be destroyed or captured by the time a buffer goes (at ncclCommDestroy, or
   // between calls). Never waits for the device where memory pools exist.
   void free_device(void* data, uint64_t bytes) noexcept {
-    QuietDeviceGuard guard(device);
+    DeviceGuard guard(device, DeviceGuard::kQuiet);
     cudaError_t e = cudaSuccess;
     if (pools) {
       e = cudaStreamWaitEvent(free_stream, last_work, 0);
@@ -193,7 +180,7 @@ class PinnedBuffer final : public collective::Backend::Buffer {
 struct CudaBackend::EventPool {
   explicit EventPool(int d) : device(d) {}
   ~EventPool() {
-    QuietDeviceGuard guard(device);
+    DeviceGuard guard(device, DeviceGuard::kQuiet);
     for (cudaEvent_t e : free) cudaEventDestroy(e);
   }
   cudaEvent_t take() {
@@ -563,7 +550,7 @@ std::unique_ptr<CudaBackend> CudaBackend::create(int device, uint64_t memory_cap
 }
 
 CudaBackend::~CudaBackend() {
-  QuietDeviceGuard guard(device_);
+  DeviceGuard guard(device_, DeviceGuard::kQuiet);
   for (cudaEvent_t e : marks_) cudaEventDestroy(e);
   if (scratch_) shared_->free_device(scratch_, scratch_bytes_);
 }

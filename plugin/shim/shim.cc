@@ -93,6 +93,17 @@ struct Shim::GroupState {
   std::optional<Call> deferred;
 };
 
+CommCounters& CommCounters::operator+=(const CommCounters& other) {
+  calls += other.calls;
+  compressed += other.compressed;
+  passed_through += other.passed_through;
+  errors += other.errors;
+  gradient_bytes += other.gradient_bytes;
+  bytes_sent += other.bytes_sent;
+  for (const auto& [reason, n] : other.pass_reasons) pass_reasons[reason] += n;
+  return *this;
+}
+
 std::string summary_line(int rank, int size, const CommCounters& c) {
   const uint64_t ring = size > 1 ? c.gradient_bytes / size * 2 * (size - 1) +
                                        c.gradient_bytes % size * 2 * (size - 1) / size
@@ -131,10 +142,14 @@ Shim::Shim(const NcclApi& api, std::unique_ptr<DeviceRuntime> runtime, Options o
   config_text_ = std::string("lgreco ") + version_string() + "; " +
                  EngineOptions::from_params(p, 0).parameters_text + "; max_memory=" + std::to_string(p.max_memory);
   if (!p.registration.empty()) {
-    const config::TextFile file = config::read_text_file(p.registration, 64u << 20);
+    // Read once: its bytes go into the digest the ranks compare, then they are parsed
+    // (load_registration only for a file that cannot be read, for its message).
+    const config::TextFile file = config::read_text_file(p.registration, config::Registration::kMaxFileBytes);
     config_text_ += "; registration digest " + std::to_string(collective::digest(file.text));
     try {
-      registration_ = std::make_shared<const config::Registration>(config::load_registration(p.registration));
+      registration_ = std::make_shared<const config::Registration>(
+          file.status == config::TextFile::Status::kOk ? config::parse_registration(file.text, p.registration)
+                                                       : config::load_registration(p.registration));
     } catch (const std::exception& e) {
       if (local_problem_.empty()) local_problem_ = std::string("the registration: ") + e.what();
       LGRECO_WARN("SHIM", "cannot use the registration: %s; every rank will pass allreduce calls through",
@@ -220,14 +235,7 @@ void Shim::retire(CommState& s, const char* why) {
     LGRECO_INFO("SHIM", "lgreco shim: rank %d/%d passed calls through because: %s", s.rank, s.size, reasons.c_str());
   }
   std::lock_guard<std::mutex> lock(mutex_);
-  CommCounters& r = retired_;
-  r.calls += c.calls;
-  r.compressed += c.compressed;
-  r.passed_through += c.passed_through;
-  r.errors += c.errors;
-  r.gradient_bytes += c.gradient_bytes;
-  r.bytes_sent += c.bytes_sent;
-  for (const auto& [reason, n] : c.pass_reasons) r.pass_reasons[reason] += n;
+  retired_ += c;
 }
 
 nccl::Result Shim::comm_destroy(nccl::Comm comm) {
@@ -290,16 +298,7 @@ CommCounters Shim::total_counters() const {
     t = retired_;
     for (const auto& [comm, s] : comms_) live.push_back(s);
   }
-  for (const StatePtr& s : live) {
-    const CommCounters c = s->snapshot();
-    t.calls += c.calls;
-    t.compressed += c.compressed;
-    t.passed_through += c.passed_through;
-    t.errors += c.errors;
-    t.gradient_bytes += c.gradient_bytes;
-    t.bytes_sent += c.bytes_sent;
-    for (const auto& [reason, n] : c.pass_reasons) t.pass_reasons[reason] += n;
-  }
+  for (const StatePtr& s : live) t += s->snapshot();
   return t;
 }
 
@@ -405,11 +404,13 @@ nccl::Result Shim::fail(CommState& s, const std::string& message) {
   return nccl::kInternalError;
 }
 
-const char* Shim::static_reason(const Call& c) const {
+const char* Shim::static_reason(const Call& c, bool agreed) const {
   if (c.op != nccl::kSum && c.op != nccl::kAvg) return kOp;
   DType dtype = DType::kFloat32;
   if (!compressible_dtype(c.dtype, &dtype)) return kType;
-  if (c.count * dtype_size(dtype) < options_.params.min_bytes) return kSmall;
+  const uint64_t bytes = c.count * dtype_size(dtype);
+  if (!agreed) return bytes < kAgreementFloorBytes ? kTiny : "";
+  if (bytes < options_.params.min_bytes) return kSmall;
   if (!c.send || !c.recv) return kNoBuffer;
   return "";
 }
@@ -458,15 +459,7 @@ nccl::Result Shim::dispatch_on(CommState& s, const Call& call) {
   // Before the agreement only what NCCL already requires to be the same on every rank
   // (the op, the type, the count) and what the application does alike (groups, capture)
   // may decide; after it, every setting is shared and the cheap checks come first.
-  const char* reason = "";
-  if (s.agreement == Agreement::kPending) {
-    DType dtype = DType::kFloat32;
-    if (call.op != nccl::kSum && call.op != nccl::kAvg) reason = kOp;
-    else if (!compressible_dtype(call.dtype, &dtype)) reason = kType;
-    else if (call.count * dtype_size(dtype) < kAgreementFloorBytes) reason = kTiny;
-  } else {
-    reason = static_reason(call);
-  }
+  const char* reason = static_reason(call, s.agreement != Agreement::kPending);
   if (*reason) return pass(&s, call, reason);
   if (s.agreement == Agreement::kPassThrough) return pass(&s, call, s.pass_reason.c_str());
   if (s.size <= 1) return pass(&s, call, kOneRank);
@@ -490,7 +483,7 @@ nccl::Result Shim::dispatch_on(CommState& s, const Call& call) {
       return nccl::kInternalError;
     }
     if (s.agreement == Agreement::kPassThrough) return pass(&s, call, s.pass_reason.c_str());
-    if (*(reason = static_reason(call))) return pass(&s, call, reason);
+    if (*(reason = static_reason(call, true))) return pass(&s, call, reason);
   }
 
   DType dtype = DType::kFloat32;

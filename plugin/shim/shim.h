@@ -83,6 +83,8 @@ struct CommCounters {
   uint64_t gradient_bytes = 0;  // count x element size of the compressed calls
   uint64_t bytes_sent = 0;      // what this rank sent to peers for them
   std::map<std::string, uint64_t, std::less<>> pass_reasons;  // why calls passed through, counted
+
+  CommCounters& operator+=(const CommCounters& other);
 };
 
 class Shim {
@@ -145,7 +147,10 @@ class Shim {
   nccl::Result forward(const Call& call);
   nccl::Result pass(CommState* state, const Call& call, const char* reason);
   nccl::Result fail(CommState& s, const std::string& message);  // the communicator is broken
-  const char* static_reason(const Call& call) const;  // "" when eligible by op, type and size
+  // Why the call can never be compressed by its op, type and size (and, once the ranks
+  // agreed, its buffers), or "". Before the agreement the size floor is the constant
+  // kAgreementFloorBytes, after it LGRECO_MIN_BYTES (shim.h: what may decide when).
+  const char* static_reason(const Call& call, bool agreed) const;
   StatePtr state_of(nccl::Comm comm);                 // creates on first use
   StatePtr detach_state(nccl::Comm comm);             // out of the table, marked abandoned
   void agree(CommState& s, const Call& call);         // the configuration agreement

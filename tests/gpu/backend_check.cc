@@ -87,37 +87,10 @@ constexpr uint8_t kPoison = 0xA5;
 
 using namespace gpu_check;
 
-// Device memory of the harness (not the backend's), with blocking copies.
-class Dev {
- public:
-  Dev() = default;
-  explicit Dev(uint64_t bytes) : bytes_(bytes) { LGRECO_CUDA_CHECK(cudaMalloc(&ptr_, std::max<uint64_t>(bytes, 256))); }
-  ~Dev() {
-    if (ptr_) cudaFree(ptr_);
-  }
-  Dev(const Dev&) = delete;
-  Dev& operator=(const Dev&) = delete;
-  Dev(Dev&& o) noexcept : ptr_(std::exchange(o.ptr_, nullptr)), bytes_(std::exchange(o.bytes_, 0)) {}
-  Dev& operator=(Dev&& o) noexcept {
-    if (this != &o) {
-      if (ptr_) cudaFree(ptr_);
-      ptr_ = std::exchange(o.ptr_, nullptr);
-      bytes_ = std::exchange(o.bytes_, 0);
-    }
-    return *this;
-  }
-  uint8_t* get() const { return static_cast<uint8_t*>(ptr_); }
-  uint64_t size() const { return bytes_; }
-
- private:
-  void* ptr_ = nullptr;
-  uint64_t bytes_ = 0;
-};
-
 // Host bytes onto the device; waits for the whole device, so that nothing the backend
 // enqueues later on its own (non-blocking) stream can overtake the copy.
-Dev to_device(const std::vector<uint8_t>& host) {
-  Dev d(host.size());
+DeviceBuffer to_device(const std::vector<uint8_t>& host) {
+  DeviceBuffer d(host.size());
   if (!host.empty()) LGRECO_CUDA_CHECK(cudaMemcpy(d.get(), host.data(), host.size(), cudaMemcpyHostToDevice));
   LGRECO_CUDA_CHECK(cudaDeviceSynchronize());
   return d;
@@ -129,7 +102,7 @@ std::vector<uint8_t> from_device(const void* d, uint64_t bytes) {
   if (bytes) LGRECO_CUDA_CHECK(cudaMemcpy(host.data(), d, bytes, cudaMemcpyDeviceToHost));
   return host;
 }
-std::vector<uint8_t> from_device(const Dev& d) { return from_device(d.get(), d.size()); }
+std::vector<uint8_t> from_device(const DeviceBuffer& d) { return from_device(d.get(), d.size()); }
 
 class Stream {
  public:
@@ -423,8 +396,8 @@ std::vector<uint8_t> random_flags(Rng& rng, const Trial& t) {
 }
 
 ElementSpan cpu_span(Span& s) { return ElementSpan{s.host.data(), s.dtype, s.first}; }
-ElementSpan gpu_span(const Span& s, const Dev& d) { return ElementSpan{d.get(), s.dtype, s.first}; }
-float* f32(const Dev& d) { return reinterpret_cast<float*>(d.get()); }
+ElementSpan gpu_span(const Span& s, const DeviceBuffer& d) { return ElementSpan{d.get(), s.dtype, s.first}; }
+float* f32(const DeviceBuffer& d) { return reinterpret_cast<float*>(d.get()); }
 
 // Payload bytes the segments need from their base (their offsets are within the partition).
 uint64_t payload_bytes(const Trial& t) {
@@ -460,7 +433,7 @@ void check_find_nonfinite(Ctx& c, const Trial& t) {
   Span in = random_span(c.rng, t, dtype);
   fill_values(c.rng, t, in, true);
   std::vector<uint8_t> flags(t.layout.layers.size(), kPoison);
-  Dev d_in = to_device(in.host), d_flags = to_device(flags);
+  DeviceBuffer d_in = to_device(in.host), d_flags = to_device(flags);
   c.cpu.find_nonfinite(t.plan, t.segments, cpu_span(in), flags.data());
   c.gpu.find_nonfinite(t.plan, t.segments, gpu_span(in, d_in), d_flags.get());
   expect_same(c, "find_nonfinite", t.name + " flags", flags, from_device(d_flags.get(), flags.size()), 1);
@@ -482,7 +455,7 @@ void check_codec(Ctx& c, const Trial& t) {
   const uint64_t base = 4 * below(c.rng, 17);
   std::vector<uint8_t> payload(base + payload_bytes(t) + 12, kPoison);
 
-  Dev d_in = to_device(in.host), d_res = to_device(res.host), d_flags = to_device(flags), d_payload = to_device(payload);
+  DeviceBuffer d_in = to_device(in.host), d_res = to_device(res.host), d_flags = to_device(flags), d_payload = to_device(payload);
   const std::string what = strf("%s; input %s, %s, %s", t.name.c_str(), dtype_name(in.dtype),
                                 with_residual ? "residual" : "no residual", with_flags ? "flags" : "no flags");
   c.cpu.encode(t.plan, t.segments, cpu_span(in), with_residual ? reinterpret_cast<float*>(res.host.data()) : nullptr,
@@ -495,7 +468,7 @@ void check_codec(Ctx& c, const Trial& t) {
   // decode into any element type, poisoned around and between the segments.
   const DType out_dtype = kDTypes[below(c.rng, 3)];
   Span out = random_span(c.rng, t, out_dtype);
-  Dev d_pay = to_device(payload), d_out = to_device(out.host);
+  DeviceBuffer d_pay = to_device(payload), d_out = to_device(out.host);
   c.cpu.decode(t.plan, t.segments, payload.data(), base, cpu_span(out));
   c.gpu.decode(t.plan, t.segments, d_pay.get(), base, gpu_span(out, d_out));
   expect_same(c, "decode", strf("%s; output %s", t.name.c_str(), dtype_name(out_dtype)), out.host, from_device(d_out),
@@ -503,7 +476,7 @@ void check_codec(Ctx& c, const Trial& t) {
 
   // decode_accumulate into float32 accumulators that may hold NaN already.
   Span acc = random_acc(c.rng, t, true);
-  Dev d_acc = to_device(acc.host);
+  DeviceBuffer d_acc = to_device(acc.host);
   c.cpu.decode_accumulate(t.plan, t.segments, payload.data(), base, cpu_span(acc));
   c.gpu.decode_accumulate(t.plan, t.segments, d_pay.get(), base, gpu_span(acc, d_acc));
   expect_same(c, "decode_accumulate", t.name, acc.host, from_device(d_acc), 4);
@@ -518,7 +491,7 @@ void check_accumulate_exact(Ctx& c, const Trial& t) {
   std::vector<uint8_t> flags = random_flags(c.rng, t);
   const bool with_flags = chance(c.rng, 0.7);
   Span acc = random_acc(c.rng, t, true);
-  Dev d_in = to_device(in.host), d_res = to_device(res.host), d_flags = to_device(flags), d_acc = to_device(acc.host);
+  DeviceBuffer d_in = to_device(in.host), d_res = to_device(res.host), d_flags = to_device(flags), d_acc = to_device(acc.host);
   c.cpu.accumulate_exact(t.plan, t.segments, cpu_span(in),
                          with_residual ? reinterpret_cast<float*>(res.host.data()) : nullptr, res.first,
                          with_flags ? flags.data() : nullptr, cpu_span(acc));
@@ -549,7 +522,7 @@ void check_measure(Ctx& c, const Trial& t) {
   const std::vector<double> squared_before = squared;
   const std::vector<uint8_t> nonfinite_before = nonfinite;
 
-  Dev d_in = to_device(in.host), d_res = to_device(res.host), d_sq = to_device(bytes_of(squared)),
+  DeviceBuffer d_in = to_device(in.host), d_res = to_device(res.host), d_sq = to_device(bytes_of(squared)),
       d_nf = to_device(nonfinite);
   collective::Backend::Measure m_cpu{t.candidates, measured, squared.data(), nonfinite.data(), weight};
   collective::Backend::Measure m_gpu{t.candidates, measured, reinterpret_cast<double*>(d_sq.get()), d_nf.get(), weight};
@@ -566,7 +539,7 @@ void check_measure(Ctx& c, const Trial& t) {
     fresh->set_stream(c.stream);
     fresh->prepare_measure(t.plan, t.candidates);
     const uint64_t prepared = fresh->device_bytes();
-    Dev d_sq2 = to_device(bytes_of(squared_before)), d_nf2 = to_device(nonfinite_before);
+    DeviceBuffer d_sq2 = to_device(bytes_of(squared_before)), d_nf2 = to_device(nonfinite_before);
     collective::Backend::Measure m2{t.candidates, measured, reinterpret_cast<double*>(d_sq2.get()), d_nf2.get(),
                                     weight};
     fresh->measure(t.plan, t.segments, gpu_span(in, d_in), with_residual ? f32(d_res) : nullptr, res.first, m2);
@@ -662,7 +635,7 @@ void check_divide(Ctx& c) {
   const uint64_t n = 1 + below(c.rng, 300000), skip = below(c.rng, 3);
   std::vector<uint8_t> acc = flat_values(c.rng, n + skip);
   const float divisor = pick<float>(c.rng, {1.0f, 2.0f, 3.0f, 4.0f, 7.0f, 8.0f, 0.1f, 3e-39f, 0.0f, -5.0f});
-  Dev d = to_device(acc);
+  DeviceBuffer d = to_device(acc);
   c.cpu.divide(reinterpret_cast<float*>(acc.data()) + skip, n, divisor);
   c.gpu.divide(f32(d) + skip, n, divisor);
   expect_same(c, "divide", strf("%llu values / %g", static_cast<ull>(n), divisor), acc, from_device(d), 4);
@@ -673,7 +646,7 @@ void check_narrow(Ctx& c) {
   const DType dtype = kDTypes[below(c.rng, 3)];
   std::vector<uint8_t> acc = flat_values(c.rng, n + skip);
   std::vector<uint8_t> out((n + 9) * dtype_size(dtype), kPoison);
-  Dev d_acc = to_device(acc), d_out = to_device(out);
+  DeviceBuffer d_acc = to_device(acc), d_out = to_device(out);
   c.cpu.narrow(reinterpret_cast<const float*>(acc.data()) + skip, n,
                ElementSpan{out.data() + dtype_size(dtype), dtype, 12345});
   c.gpu.narrow(f32(d_acc) + skip, n, ElementSpan{d_out.get() + dtype_size(dtype), dtype, 12345});
@@ -746,7 +719,7 @@ bool all_equal(const float* v, uint64_t n, float want) {
 void check_streams_events_marks(Report& r, CudaBackend& gpu, int device) {
   Stream a, b;
   std::vector<float> init(kBig, 0x1p20f);
-  Dev d(kBig * 4);
+  DeviceBuffer d(kBig * 4);
   LGRECO_CUDA_CHECK(cudaMemcpy(d.get(), init.data(), kBig * 4, cudaMemcpyHostToDevice));
   LGRECO_CUDA_CHECK(cudaDeviceSynchronize());
   init.clear();
@@ -965,7 +938,7 @@ void check_cap(Report& r, int device) {
                         CodecSpec::quant(QuantParams{4, 32, Rounding::kNearest})};
     layout.layers.push_back(layer);
     const Plan plan = collective::make_plan(layout, std::vector<CodecSpec>{layer.candidates[0]}, 1);
-    Dev in(layout.count * 4), sq(2 * sizeof(double)), nf(1);
+    DeviceBuffer in(layout.count * 4), sq(2 * sizeof(double)), nf(1);
     LGRECO_CUDA_CHECK(cudaMemset(in.get(), 0, in.size()));
     LGRECO_CUDA_CHECK(cudaMemset(sq.get(), 0, sq.size()));
     LGRECO_CUDA_CHECK(cudaMemset(nf.get(), 0, nf.size()));

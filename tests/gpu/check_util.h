@@ -4,6 +4,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdarg>
 #include <cstdint>
 #include <cstdio>
@@ -11,6 +12,7 @@
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "kernels/dtype.h"
 
@@ -59,3 +61,38 @@ class CudaFailure : public std::runtime_error {
     if (lgreco_cuda_status_ != cudaSuccess)                                                       \
       ::lgreco::gpu_check::cuda_failed(lgreco_cuda_status_, #call, __FILE__, __LINE__);           \
   } while (0)
+
+namespace lgreco::gpu_check {
+
+// Device memory of a check program (not lgreco's), freed by its owner.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  // Never a null pointer, even for 0 bytes: a null argument means "absent" to the kernels.
+  explicit DeviceBuffer(uint64_t bytes) : bytes_(bytes) {
+    LGRECO_CUDA_CHECK(cudaMalloc(&ptr_, std::max<uint64_t>(bytes, 256)));
+  }
+  ~DeviceBuffer() {
+    if (ptr_) cudaFree(ptr_);  // an error here (a faulted context) has been reported already
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  DeviceBuffer(DeviceBuffer&& other) noexcept
+      : ptr_(std::exchange(other.ptr_, nullptr)), bytes_(std::exchange(other.bytes_, 0)) {}
+  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept {
+    if (this != &other) {
+      if (ptr_) cudaFree(ptr_);
+      ptr_ = std::exchange(other.ptr_, nullptr);
+      bytes_ = std::exchange(other.bytes_, 0);
+    }
+    return *this;
+  }
+  uint8_t* get() const { return static_cast<uint8_t*>(ptr_); }
+  uint64_t size() const { return bytes_; }
+
+ private:
+  void* ptr_ = nullptr;
+  uint64_t bytes_ = 0;
+};
+
+}  // namespace lgreco::gpu_check

@@ -94,37 +94,6 @@ constexpr unsigned long long kCounterStart = 1000003;
 
 using namespace gpu_check;
 
-// Device memory, freed by its owner.
-class DeviceBuffer {
- public:
-  DeviceBuffer() = default;
-  // Never a null pointer, even for 0 bytes: a null argument means "absent" to the kernels.
-  explicit DeviceBuffer(uint64_t bytes) : bytes_(bytes) {
-    LGRECO_CUDA_CHECK(cudaMalloc(&ptr_, std::max<uint64_t>(bytes, 256)));
-  }
-  ~DeviceBuffer() {
-    if (ptr_) cudaFree(ptr_);  // an error here (a faulted context) has been reported already
-  }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  DeviceBuffer(DeviceBuffer&& other) noexcept
-      : ptr_(std::exchange(other.ptr_, nullptr)), bytes_(std::exchange(other.bytes_, 0)) {}
-  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept {
-    if (this != &other) {
-      if (ptr_) cudaFree(ptr_);
-      ptr_ = std::exchange(other.ptr_, nullptr);
-      bytes_ = std::exchange(other.bytes_, 0);
-    }
-    return *this;
-  }
-  uint8_t* get() const { return static_cast<uint8_t*>(ptr_); }
-  uint64_t size() const { return bytes_; }
-
- private:
-  void* ptr_ = nullptr;
-  uint64_t bytes_ = 0;
-};
-
 class CudaStream {
  public:
   CudaStream() { LGRECO_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking)); }

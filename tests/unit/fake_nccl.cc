@@ -253,11 +253,6 @@ struct FakeCalls {
   }
 };
 
-void FakeNccl::record(int rank, const std::string& op) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  rank_state_.at(rank)->issued.push_back(op);
-}
-
 nccl::Result FakeNccl::enqueue(nccl::Comm comm, Op op) {
   Rank& r = rank_of(comm);
   {

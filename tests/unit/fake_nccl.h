@@ -54,7 +54,7 @@ class FakeNccl {
   // What happened.
   struct Counts {
     uint64_t all_reduce = 0, all_gather = 0, send = 0, recv = 0, broadcast = 0;
-    uint64_t group_start = 0, group_end = 0, destroy = 0, abort = 0, finalize = 0;
+    uint64_t group_end = 0, destroy = 0, abort = 0, finalize = 0;
   };
   Counts counts(int rank) const;
   // Operations the rank issued, in order ("allreduce", "broadcast", "send", ...).
@@ -68,7 +68,6 @@ class FakeNccl {
   friend struct FakeCalls;
 
   Rank& rank_of(nccl::Comm comm);
-  void record(int rank, const std::string& op);
   void violate(const std::string& what);
   nccl::Result run(Rank& r, const Op& op);
   nccl::Result enqueue(nccl::Comm comm, Op op);
