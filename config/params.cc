@@ -224,6 +224,39 @@ const ParamInfo kParamTable[] = {
      "holds MASTER_PORT.",
      [](Params& p, const std::string& v) { return v.empty() ? (p.rendezvous_port = 0, std::string())
                                                             : parse_unsigned(v, 1, 65535, &p.rendezvous_port); }},
+    {"LGRECO_NET", "auto", "`auto`, `socket`, `off`",
+     "The net plugin (`NCCL_NET_PLUGIN=lgreco`): which transport NCCL gets from lgreco. `socket`: lgreco's TCP "
+     "transport (several sockets and helper threads per connection, per-peer telemetry). `auto`: the same, but only "
+     "where the host has no RDMA device, so that InfiniBand and RoCE clusters keep NCCL's own IB transport. `off`: "
+     "no devices (NCCL uses its own transports). Compression (the collective shim) is installed in every case.",
+     [](Params& p, const std::string& v) {
+       return parse_choice(v, {std::pair{"auto", std::string("auto")}, {"socket", std::string("socket")},
+                               {"off", std::string("off")}}, &p.net);
+     }},
+    {"LGRECO_SOCKET_IFNAME", "", "interface names in `NCCL_SOCKET_IFNAME`'s syntax: prefixes separated by `,`; a "
+     "leading `^` excludes them, a leading `=` asks for exact names",
+     "The net plugin: which network interfaces become NCCL devices. Unset: as NCCL chooses (interfaces named `ib*` "
+     "first, else every interface except `docker*`, `lo` and `virbr*`, else `lo`).",
+     [](Params& p, const std::string& v) {
+       if (v.size() > 255) return std::string("longer than 255 characters");
+       p.socket_ifname = v;
+       return std::string();
+     }},
+    {"LGRECO_SOCKET_NTHREADS", "2", "a whole number from 0 to 16; threads x sockets per thread <= 64",
+     "The net plugin: helper threads per connection that move a large message's bytes in parallel (as "
+     "`NCCL_SOCKET_NTHREADS`). `0`: NCCL's proxy thread moves them when it tests a request.",
+     U64(socket_nthreads, 0, 16)},
+    {"LGRECO_NSOCKS_PERTHREAD", "2", "a whole number from 1 to 64; threads x sockets per thread <= 64",
+     "The net plugin: TCP connections per helper thread (as `NCCL_NSOCKS_PERTHREAD`); with 0 threads, the "
+     "connections per NCCL connection. Large messages are split across them.",
+     U64(nsocks_perthread, 1, 64)},
+    {"LGRECO_TELEMETRY_FILE", "", "a path; `%h` host, `%p` pid, `%%` a percent sign",
+     "The net plugin: every `LGRECO_TELEMETRY_INTERVAL` seconds, write bytes, messages and busy time per peer in "
+     "Prometheus text format to this file (replaced atomically; for node_exporter's textfile collector, name it "
+     "`*.prom`). Unset: no export.",
+     [](Params& p, const std::string& v) { return apply_pattern(v, "hp", &p.telemetry_file); }},
+    {"LGRECO_TELEMETRY_INTERVAL", "10", "seconds, a whole number from 1 to 3600",
+     "The net plugin: seconds between telemetry exports.", U64(telemetry_interval, 1, 3600)},
     {"LGRECO_TIMEOUT", "300", "seconds, a whole number from 1 to 86400",
      "The longest lgreco waits for a peer rank during a compressed exchange over its own sockets before it "
      "reports an error naming the rank (a dead or stalled process must not hang the others forever). Through "
@@ -453,6 +486,10 @@ Params load_params(const ParamSources& sources) {
 
   // Rules across parameters.
   if (std::string e = schedule_error(params); !e.empty()) params.errors.push_back(std::move(e));
+  if (params.socket_nthreads * params.nsocks_perthread > 64)
+    params.errors.push_back("LGRECO_SOCKET_NTHREADS=" + std::to_string(params.socket_nthreads) +
+                            " x LGRECO_NSOCKS_PERTHREAD=" + std::to_string(params.nsocks_perthread) +
+                            ": more than 64 sockets per connection; accepted: a product of at most 64");
   if (params.candidates.empty()) {  // `auto`
     params.candidates = auto_candidates(params.codec);
   } else if (std::find(params.candidates.begin(), params.candidates.end(), params.codec) == params.candidates.end()) {

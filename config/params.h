@@ -57,6 +57,12 @@ struct Params {
   std::string algorithm = "auto";      // auto | sra | allgather (plugin/collective/engine.h)
   uint64_t timeout_seconds = 300;
   uint64_t rendezvous_port = 0;        // 0: unset (socket fabric: MASTER_PORT or the next)
+  std::string net = "auto";            // auto | socket | off (plugin/net: which transport NCCL gets)
+  std::string socket_ifname;           // NCCL_SOCKET_IFNAME syntax; empty: automatic choice
+  uint64_t socket_nthreads = 2;        // helper threads per connection (0: the caller of test() moves bytes)
+  uint64_t nsocks_perthread = 2;       // sockets per helper thread (per connection with 0 threads)
+  std::string telemetry_file;          // Prometheus text file; pattern: %h, %p, %%; empty: no export
+  uint64_t telemetry_interval = 10;    // seconds between exports
   std::string decision_log;            // pattern: %h host, %p pid, %r rank, %% a percent sign
   log::Level debug_level = log::Level::kWarn;
   std::string debug_file;              // pattern: %h, %p, %%; empty: stderr
