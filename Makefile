@@ -169,8 +169,8 @@ $(TEST_OBJS): CPPFLAGS += -DBOOST_TEST_DYN_LINK
 # backend against its CPU backend (below). Built with CUDA only,
 # and by `make test` so that CI compiles it; nothing runs it there (it needs a GPU).
 ifeq ($(HAVE_CUDA),1)
-GPU_CHECK_BIN := $(BUILD)/bin/lgreco-gpu-codec-check $(BUILD)/bin/lgreco-gpu-backend-check
-$(call obj,tests/gpu/quant_cuda_check.cc tests/gpu/backend_check.cc): CPPFLAGS += -isystem $(CUDA_HOME)/include
+GPU_CHECK_BIN := $(BUILD)/bin/lgreco-gpu-codec-check $(BUILD)/bin/lgreco-gpu-backend-check $(BUILD)/bin/lgreco-gpu-net-check
+$(call obj,tests/gpu/quant_cuda_check.cc tests/gpu/backend_check.cc tests/gpu/net_check.cc): CPPFLAGS += -isystem $(CUDA_HOME)/include
 $(BUILD)/bin/lgreco-gpu-codec-check: $(call obj,tests/gpu/quant_cuda_check.cc) $(CORE_LIB)
 	@mkdir -p $(@D)
 	$(CXX) -o $@ $< $(CORE_LIB) $(CUDA_LIBS) -ldl -pthread
@@ -179,6 +179,12 @@ $(BUILD)/bin/lgreco-gpu-codec-check: $(call obj,tests/gpu/quant_cuda_check.cc) $
 $(BUILD)/bin/lgreco-gpu-backend-check: $(call obj,tests/gpu/backend_check.cc) $(CORE_LIB)
 	@mkdir -p $(@D)
 	$(CXX) -o $@ $< $(CORE_LIB) $(CUDA_LIBS) -ldl -pthread
+# NCCL's allreduce over lgreco's net plugin or NCCL's Socket transport, ranks as processes
+# on one GPU (tests/gpu/net_check.cc; run by tests/gpu/run.sh net). It loads libnccl
+# itself and links no lgreco code.
+$(BUILD)/bin/lgreco-gpu-net-check: $(call obj,tests/gpu/net_check.cc)
+	@mkdir -p $(@D)
+	$(CXX) -o $@ $< $(CUDA_LIBS) -ldl -pthread
 endif
 
 # lgreco-bench --fabric nccl drives the GPU itself (its device, its stream) through the

@@ -42,6 +42,25 @@
 #              bounded by LGRECO_GPU_SHIM_SECONDS (default 480). It does not run the
 #              backend section first: run `tests/gpu/run.sh backend`, then
 #              `tests/gpu/run.sh shim`, as two device-tool commands.
+#   net        lgreco's NCCL net plugin (build/lib/libnccl-net-lgreco.so) under the real
+#              NCCL (LGRECO_GPU_NCCL_LIB, else torch's), ranks sharing the one GPU as in
+#              shim: builds the library and build/bin/lgreco-gpu-net-check here, then
+#              a. lgreco-gpu-net-check, 2 and 4 ranks, NCCL_NET=lgreco
+#                 NCCL_NET_PLUGIN=<that file> LGRECO_NET=socket LGRECO_SOCKET_IFNAME=lo:
+#                 allreduce of 1 to 256 MiB float32 correct at every size (float64
+#                 reference), and every rank's NCCL log (NCCL_DEBUG=INFO,
+#                 NCCL_DEBUG_SUBSYS=INIT,NET) says "Using network lgreco";
+#              b. the same with NCCL_NET=Socket (NCCL's own transport), in the same run;
+#                 busbw of both per size and lgreco/Socket; target >= 1.0x at 64 MiB and
+#                 above (met or missed is reported, a miss does not fail the section);
+#              c. tests/gpu/ddp_net_check.py: DDP (tests/gpu/ddp_train.py, 2 ranks) with
+#                 NCCL_NET_PLUGIN=<that file>, NCCL_NET=lgreco and no LD_PRELOAD: NCCL
+#                 loaded the plugin, the plugin rebound the framework's ncclAllReduce to the
+#                 shim, the shim's summary line counts compressed calls on every rank, and
+#                 accuracy and loss as in shim (against a plain NCCL_NET=Socket run).
+#              Tables after the summary. About 5 minutes on an H200 with a cold build;
+#              bounded by LGRECO_GPU_NET_SECONDS (default 380). Run it as its own
+#              device-tool command.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 2
 OUT=${OUT:-/tmp/lgreco-gpu}
@@ -440,15 +459,159 @@ section_shim() {
   [[ -s "$OUT/shim-ddp-table.txt" ]] && appendix+=("$OUT/shim-ddp-table.txt")
 }
 
+# lgreco's net plugin under the real NCCL: lgreco-gpu-net-check over NCCL_NET=lgreco and
+# NCCL_NET=Socket, then DDP with the plugin and no LD_PRELOAD (tests/gpu/ddp_net_check.py).
+# One deadline for all steps (LGRECO_GPU_NET_SECONDS, default 380 s). Expected on an H200:
+# build 1-2 min cold, each net check 10-30 s (NCCL over loopback sockets moved 1.86 GB/s
+# algbw with 2 ranks and 0.62 GB/s with 4 at 256 MB), DDP about 1 min per run.
+net_deadline=0
+net_time() {
+  local left=$((net_deadline - SECONDS))
+  (( left > $1 )) && left=$1
+  (( left < 20 )) && left=0
+  echo "$left"
+}
+
+# net_run NAME NRANKS NET SECONDS: lgreco-gpu-net-check over NCCL_NET=NET; its table in
+# $OUT/NAME.log, NCCL's log of each rank in $OUT/NAME.nccl.<pid>.log. Sets net_rc.
+net_run() {
+  local name=$1 n=$2 net=$3 t=$4 plugin_env
+  rm -f "$OUT/$name".nccl.*.log
+  if [[ "$net" == lgreco ]]; then
+    plugin_env=(NCCL_NET_PLUGIN="$PWD/build/lib/libnccl-net-lgreco.so" LGRECO_NET=socket LGRECO_SOCKET_IFNAME=lo)
+  else
+    plugin_env=(NCCL_NET_PLUGIN=none)
+  fi
+  env NCCL_NET="$net" "${plugin_env[@]}" NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET \
+    NCCL_DEBUG_FILE="$OUT/$name.nccl.%p.log" NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_SOCKET_IFNAME=lo \
+    NCCL_HOSTID="lgreco-$name" LGRECO_DEBUG=WARN \
+    timeout -k 10 "$t" build/bin/lgreco-gpu-net-check --ranks "$n" --nccl-lib "$net_nccl" \
+      -b 1M -e 256M -f 4 -n 5 -w 2 --timeout $((t - 10)) > "$OUT/$name.log" 2>&1
+  net_rc=$?
+}
+
+section_net() {
+  local cuda rc detail r t n net name log files using
+  local -A busbw=()
+  net_deadline=$((SECONDS + ${LGRECO_GPU_NET_SECONDS:-380}))
+  cuda=$(cuda_home)
+  if [[ ! -x "$cuda/bin/nvcc" ]]; then
+    row net "build plugin, lgreco-gpu-net-check" FAIL "no nvcc ($cuda/bin/nvcc, PATH): set CUDA_HOME"; failed=1; return
+  fi
+  t=$(net_time 240)
+  NVCC_APPEND_FLAGS="${NVCC_APPEND_FLAGS:+$NVCC_APPEND_FLAGS }--threads 0" \
+    timeout "$t" make -j"$JOBS" build/lib/libnccl-net-lgreco.so build/bin/lgreco-gpu-net-check \
+    CUDA_HOME="$cuda" PYTHON="$PY" > "$OUT/net-build.log" 2>&1
+  rc=$?
+  if [[ $rc -ne 0 || ! -x build/bin/lgreco-gpu-net-check || ! -e build/lib/libnccl-net-lgreco.so ]]; then
+    detail=$(grep -m 1 -E 'error|No rule' "$OUT/net-build.log" | cut -c1-100)
+    detail="exit $rc: ${detail:-$(last_line "$OUT/net-build.log")}"
+    [[ $rc -eq 124 ]] && detail="timed out after $t s"
+    row net "build plugin, lgreco-gpu-net-check" FAIL "$detail (net-build.log)"; failed=1; return
+  fi
+  row net "build plugin, lgreco-gpu-net-check" PASS "CUDA at $cuda"
+  net_nccl=${LGRECO_GPU_NCCL_LIB:-$(torch_nccl)}
+  row net "NCCL for the checks" INFO "$net_nccl"
+
+  # a, b. lgreco's transport and NCCL's Socket, 2 and 4 ranks, one after the other.
+  # Rows: size count type redop time(us) algbw busbw #wrong max_err/bound
+  for n in 2 4; do
+    for net in lgreco Socket; do
+      name="net-${net,,}-$n"
+      t=$(net_time $((n == 2 ? 75 : 110)))
+      if [[ $t -eq 0 ]]; then row net "$net, $n ranks" FAIL "skipped: the section ran out of time"; failed=1; continue; fi
+      net_run "$name" "$n" "$net" "$t"
+      log="$OUT/$name.log"
+      files=$(find "$OUT" -maxdepth 1 -name "$name.nccl.*.log" | wc -l)
+      using=$(grep -l "NCCL INFO Using network $net\$" "$OUT/$name".nccl.*.log 2>/dev/null | wc -l)
+      detail=$(awk '!/^#/ && NF == 9 { rows++; if ($8 != "0") bad++; if ($9 + 0 > worst) worst = $9 + 0 }
+                    END { printf "%d sizes, %d with #wrong > 0, max err/bound %.3g", rows, bad, worst }' "$log")
+      r=PASS
+      if [[ $net_rc -ne 0 ]]; then
+        r=FAIL
+        detail="exit $net_rc (124: timed out): $(grep -m 1 'error' "$log" | cut -c1-140)"
+        [[ "$detail" == *": " ]] && detail+=$(last_line "$log")
+      elif ! grep -q '^# Out of bounds values : 0 OK' "$log" || \
+           [[ $(awk '!/^#/ && NF == 9' "$log" | wc -l) -ne 5 ]]; then
+        r=FAIL
+      fi
+      if [[ $using -ne $n ]]; then
+        r=FAIL
+        detail="$detail; 'Using network $net' in $using of $n ranks' NCCL logs ($files files$(
+          grep -h -o -m 1 'Using network [^ ]*' "$OUT/$name".nccl.*.log 2>/dev/null | sort -u | sed 's/^/, /' | tr -d '\n'))"
+      else
+        detail="$detail; every rank: Using network $net"
+      fi
+      if [[ "$net" == lgreco ]] && ! grep -q 'Successfully loaded external network plugin' "$OUT/$name".nccl.*.log 2>/dev/null; then
+        detail="$detail; no 'Successfully loaded external network plugin' line"
+      fi
+      row net "$net, $n ranks: allreduce correct" "$r" "$detail ($name.log)"
+      fail_if "$r"
+      while read -r size bw; do busbw[$net,$n,$size]=$bw; done < <(awk '!/^#/ && NF == 9 { print $1, $7 }' "$log")
+    done
+  done
+
+  # The busbw table, and the target: lgreco's transport at least as fast as NCCL's Socket
+  # from 64 MiB up.
+  local table="$OUT/net-busbw-table.txt" size lg so ratio worst
+  {
+    echo "== NCCL allreduce float32 busbw (GB/s), ranks sharing one GPU over loopback: lgreco's net plugin vs NCCL's Socket =="
+    printf '%6s %12s %10s %10s %8s\n' ranks size lgreco Socket ratio
+  } > "$table"
+  for n in 2 4; do
+    worst=""
+    for size in 1048576 4194304 16777216 67108864 268435456; do
+      lg=${busbw[lgreco,$n,$size]:-}; so=${busbw[Socket,$n,$size]:-}
+      ratio=-
+      if [[ -n "$lg" && -n "$so" ]]; then
+        ratio=$(awk -v a="$lg" -v b="$so" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print "-" }')
+      fi
+      printf '%6s %12s %10s %10s %8s\n' "$n" "$size" "${lg:--}" "${so:--}" "$ratio" >> "$table"
+      if (( size >= 67108864 )); then
+        if [[ "$ratio" == - ]]; then worst=missing
+        elif [[ "$worst" != missing ]] && { [[ -z "$worst" ]] || awk -v a="$ratio" -v b="$worst" 'BEGIN { exit !(a < b) }'; }; then
+          worst=$ratio
+        fi
+      fi
+    done
+    if [[ "$worst" == missing || -z "$worst" ]]; then detail="missed: no busbw for both at 64 and 256 MiB"
+    elif awk -v a="$worst" 'BEGIN { exit !(a >= 1.0) }'; then detail="met: at least ${worst}x Socket's busbw"
+    else detail="missed: ${worst}x Socket's busbw at worst"; fi
+    row net "target n=$n: >=64 MiB >=1.0x Socket" INFO "$detail"
+  done
+  appendix+=("$table")
+
+  # c. DDP with the plugin and no LD_PRELOAD (its own per-run timeouts; this is a backstop).
+  t=$(net_time 600)
+  if [[ $t -lt 60 ]]; then row net "DDP with the net plugin" FAIL "skipped: the section ran out of time"; failed=1; return; fi
+  timeout -k 10 "$t" "$PY" tests/gpu/ddp_net_check.py --python "$PY" --plugin build/lib/libnccl-net-lgreco.so \
+    --out "$OUT" --ranks 2 --seconds $((t - 15)) --table "$OUT/net-ddp-table.txt" > "$OUT/net-ddp.log" 2>&1
+  rc=$?
+  local verdict line
+  while IFS= read -r line; do
+    line=${line#RESULT: }
+    name=${line%% *}; line=${line#* }
+    verdict=${line%% *}; detail=${line#* }
+    [[ "$verdict" == SKIP ]] && verdict=INFO
+    row net "DDP $name" "$verdict" "$(cut -c1-300 <<< "$detail")"
+    fail_if "$verdict"
+  done < <(grep -E '^RESULT: ' "$OUT/net-ddp.log")
+  if [[ $rc -ne 0 ]] && ! grep -qE '^RESULT: [^ ]+ FAIL' "$OUT/net-ddp.log"; then
+    row net "DDP with the net plugin" FAIL "ddp_net_check.py exit $rc: $(last_line "$OUT/net-ddp.log") (net-ddp.log)"; failed=1
+  fi
+  [[ -s "$OUT/net-ddp-table.txt" ]] && appendix+=("$OUT/net-ddp-table.txt")
+}
+
 sections=("$@")
-[[ ${#sections[@]} -eq 0 ]] && sections=(register codec backend shim)
+[[ ${#sections[@]} -eq 0 ]] && sections=(register codec backend shim net)
 for s in "${sections[@]}"; do
   case "$s" in
     register) section_register ;;
     codec) section_codec ;;
     backend) section_backend ;;
     shim) section_shim ;;
-    *) echo "tests/gpu/run.sh: unknown section '$s' (sections: register codec backend shim)" >&2; exit 2 ;;
+    net) section_net ;;
+    *) echo "tests/gpu/run.sh: unknown section '$s' (sections: register codec backend shim net)" >&2; exit 2 ;;
   esac
 done
 
