@@ -67,9 +67,9 @@ InterfaceFilter parse_interface_filter(const std::string& text, std::string* err
 
 // One address of one interface, as getifaddrs reports it.
 struct InterfaceAddress {
-  std::string name;                // "eth0"
+  std::string name;                  // "eth0"
   transport::SocketAddress address;  // port 0; empty for an entry with no IP address
-  unsigned flags = 0;              // IFF_UP, IFF_RUNNING, IFF_LOOPBACK, ...
+  unsigned flags = 0;                // IFF_UP, IFF_RUNNING, IFF_LOOPBACK, ...
 };
 
 // What find_interfaces and has_rdma_device read.
@@ -85,7 +85,7 @@ struct SystemView {
 // One device for NCCL.
 struct NetInterface {
   std::string name;
-  transport::SocketAddress address;  // port 0
+  transport::SocketAddress address;    // port 0
   int speed_mbps = kDefaultSpeedMbps;  // <sysfs>/class/net/<name>/speed, else kDefaultSpeedMbps
   // realpath of <sysfs>/class/net/<name>/device (e.g. /sys/devices/pci0000:00/0000:00:03.0),
   // from which NCCL pairs NICs with GPUs; empty for virtual interfaces, which have none.

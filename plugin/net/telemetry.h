@@ -133,7 +133,7 @@ class Exporter {
   Exporter& operator=(const Exporter&) = delete;
 
   // Wakes the thread, which writes once more and ends; joins it. Returns as soon as that
-  // write is done. Idempotent.
+  // write is done. Idempotent; safe from several threads.
   void stop();
   const std::string& path() const { return path_; }
   // Writes that succeeded and failed so far.
@@ -148,6 +148,7 @@ class Exporter {
   const std::string path_;
   const std::chrono::milliseconds interval_;
   const Labels labels_;
+  std::mutex join_mutex_;  // two threads calling stop() must not both join
   mutable std::mutex mutex_;
   std::condition_variable wake_;
   bool stopping_ = false;
