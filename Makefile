@@ -45,7 +45,8 @@ NVCCFLAGS := -std=c++20 -O3 -g -I. --fmad=false -ccbin $(CXX) \
 CORE_SRCS := $(wildcard config/*.cc) $(wildcard controller/*.cc) \
              $(filter-out %_none.cc,$(wildcard kernels/*.cc)) \
              $(wildcard plugin/transport/*.cc) $(wildcard plugin/collective/*.cc) \
-             $(filter-out plugin/shim/entry_points.cc,$(wildcard plugin/shim/*.cc))
+             $(filter-out plugin/shim/entry_points.cc,$(wildcard plugin/shim/*.cc)) \
+             $(filter-out plugin/net/exports.cc,$(wildcard plugin/net/*.cc))
 ifeq ($(HAVE_CUDA),1)
 CU_SRCS   := $(wildcard kernels/*.cu) $(wildcard plugin/shim/*.cu)
 # A *_none.cc stands in for a .cu file in builds without CUDA only.
@@ -56,7 +57,7 @@ CORE_SRCS += $(wildcard kernels/*_none.cc)
 CU_SRCS   :=
 CUDA_LIBS :=
 endif
-SO_SRCS   := plugin/library.cc plugin/shim/entry_points.cc
+SO_SRCS   := plugin/library.cc plugin/shim/entry_points.cc plugin/net/exports.cc
 TEST_SRCS := $(wildcard tests/unit/*.cc)
 # Each tools/lgreco_NAME.cc is one program, build/bin/lgreco-NAME ('_' becomes '-').
 TOOL_SRCS := $(wildcard tools/lgreco_*.cc)
