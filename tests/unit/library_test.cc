@@ -67,12 +67,15 @@ BOOST_AUTO_TEST_CASE(exports_only_its_public_entry_points) {
   std::istringstream lines(r.output);
   std::string address, type, name;
   while (lines >> address >> type >> name) names.insert(name);
-  // lgreco_version, and the NCCL calls the shim interposes (plugin/shim/entry_points.cc).
+  // lgreco_version, the NCCL calls the shim interposes (plugin/shim/entry_points.cc), and
+  // the net-plugin tables NCCL looks up (plugin/net/exports.cc).
   const std::set<std::string> expected{"lgreco_version",   "ncclAllGather",     "ncclAllReduce",   "ncclAlltoAll",
                                        "ncclBcast",        "ncclBroadcast",     "ncclCommAbort",   "ncclCommDestroy",
                                        "ncclCommFinalize", "ncclGather",        "ncclGetLastError", "ncclGroupEnd",
                                        "ncclGroupSimulateEnd", "ncclGroupStart", "ncclRecv",        "ncclReduce",
-                                       "ncclReduceScatter", "ncclScatter",      "ncclSend"};
+                                       "ncclReduceScatter", "ncclScatter",      "ncclSend",
+                                       "ncclNetPlugin_v8", "ncclNetPlugin_v9", "ncclNetPlugin_v10",
+                                       "ncclNetPlugin_v11"};
   BOOST_TEST((names == expected), r.output);
   // The NCCL plugin name is the same library.
   const auto plugin = std::filesystem::path(library_path()).parent_path() / "libnccl-net-lgreco.so";
