@@ -206,6 +206,21 @@ $(INTERPOSE_LIB): tests/interpose/fake_libnccl.c
 $(INTERPOSE_BIN): tests/interpose/probe.c $(INTERPOSE_LIB)
 	@mkdir -p $(@D)
 	$(CC) -O1 -Wall -o $@ $< -L$(dir $(INTERPOSE_LIB)) -lfakenccl -Wl,-rpath,$(abspath $(dir $(INTERPOSE_LIB)))
+# For the net plugin's loader (plugin/net/loader.h, tests/unit/loader_test.cc): a library
+# calling that libnccl through its PLT, with lazy binding and with full RELRO, and a
+# program that loads liblgreco.so after it as NCCL loads a net plugin.
+CALLER_LIB    := $(BUILD)/lib/test/liblgreco-caller
+PLUGIN_PROBE  := $(BUILD)/bin/lgreco-plugin-probe
+CALLER_LIBS   := $(CALLER_LIB)-lazy.so $(CALLER_LIB)-now.so
+PLUGIN_PROBES := $(PLUGIN_PROBE)-lazy $(PLUGIN_PROBE)-now
+$(CALLER_LIB)-lazy.so: CALLER_LDFLAGS := -Wl,-z,lazy -Wl,-z,norelro
+$(CALLER_LIB)-now.so: CALLER_LDFLAGS := -Wl,-z,now -Wl,-z,relro
+$(CALLER_LIBS): $(CALLER_LIB)-%.so: tests/interpose/caller.c $(INTERPOSE_LIB)
+	$(CC) -shared -fPIC -O1 -Wall $(CALLER_LDFLAGS) -o $@ $< -L$(dir $(INTERPOSE_LIB)) -lfakenccl -Wl,-rpath,$(abspath $(dir $(INTERPOSE_LIB)))
+$(PLUGIN_PROBES): $(PLUGIN_PROBE)-%: tests/interpose/plugin_probe.cc $(CALLER_LIB)-%.so plugin/net/net_abi.h
+	@mkdir -p $(@D)
+	$(CXX) -std=c++20 -I. -O1 -Wall -o $@ $< -L$(dir $(INTERPOSE_LIB)) -llgreco-caller-$* -lfakenccl \
+	  -Wl,-rpath,$(abspath $(dir $(INTERPOSE_LIB))) -ldl
 
 # The multi-threaded parts, built again with ThreadSanitizer: the controller's solver
 # thread, and the engine with the in-process and socket fabrics (ranks as threads).
@@ -234,10 +249,11 @@ $(TSAN_BIN): $(TSAN_OBJS)
 # file-format suites run the built binaries and $(PYTHON).
 # deps runs first even under -j: the build starts from the recipe, after it.
 test: deps
-	@$(MAKE) --no-print-directory all $(TEST_BIN) $(GPU_CHECK_BIN) $(INTERPOSE_BIN)
+	@$(MAKE) --no-print-directory all $(TEST_BIN) $(GPU_CHECK_BIN) $(INTERPOSE_BIN) $(CALLER_LIBS) $(PLUGIN_PROBES)
 	LGRECO_TEST_BIN_DIR=$(CURDIR)/$(BUILD)/bin LGRECO_TEST_LIB=$(CURDIR)/$(LIB) LGRECO_TEST_PYTHON=$(PYTHON) \
 	LGRECO_TEST_NCCL_LIB=$(NCCL_HOME)/lib64/libnccl.so LGRECO_TEST_SOURCE_DIR=$(CURDIR) \
 	LGRECO_TEST_INTERPOSE_PROBE=$(CURDIR)/$(INTERPOSE_BIN) \
+	LGRECO_TEST_CALLER_LIB=$(CURDIR)/$(CALLER_LIB) LGRECO_TEST_PLUGIN_PROBE=$(CURDIR)/$(PLUGIN_PROBE) \
 	  $(TEST_BIN) --report_level=short --log_level=warning
 	@$(MAKE) --no-print-directory test-tsan
 	@$(MAKE) --no-print-directory test-python
