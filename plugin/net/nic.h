@@ -35,8 +35,8 @@
 
 namespace lgreco::net {
 
-// The most devices find_interfaces returns (NCCL_NET_MAX_DEVS is far larger; a host with
-// more than 64 addressed interfaces is not a training node).
+// The most devices find_interfaces returns: more than any training node has NICs, few
+// enough that a host full of container veths cannot flood NCCL's topology with devices.
 inline constexpr size_t kMaxDevices = 64;
 // The speed reported for an interface whose sysfs speed is unreadable, -1 or 0 (virtual
 // interfaces, loopback, some virtio NICs): NCCL's own default (10 Gbps), so that NCCL's
