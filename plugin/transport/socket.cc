@@ -249,6 +249,22 @@ void set_no_delay(int fd) {
   (void)setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
 }
 
+int set_keepalive(int fd, std::chrono::milliseconds timeout) {
+  const int64_t seconds = std::max<int64_t>(1, timeout.count() / 1000);
+  const int one = 1;
+  const int idle = static_cast<int>(std::clamp<int64_t>(seconds / 2, 1, 32767));  // kernel maximum
+  const int interval = static_cast<int>(std::clamp<int64_t>(seconds / 6, 1, 32767));
+  const int count = 3;
+  const unsigned user_timeout = static_cast<unsigned>(std::clamp<int64_t>(timeout.count(), 1, INT32_MAX));
+  if (setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one) != 0 ||
+      setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof idle) != 0 ||
+      setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof interval) != 0 ||
+      setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &count, sizeof count) != 0 ||
+      setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout, sizeof user_timeout) != 0)
+    return errno;
+  return 0;
+}
+
 // --- Moving bytes ---------------------------------------------------------------------
 
 namespace {

@@ -135,6 +135,14 @@ Fd accept_tcp(int listen_fd, int* error);
 // and Nagle's algorithm would hold it back for a round trip.
 void set_no_delay(int fd);
 
+// TCP keepalive and TCP_USER_TIMEOUT on a connected socket, so that a connection whose
+// peer host vanished (power loss, a cable pulled: no FIN, no RST) fails instead of waiting
+// forever. TCP_USER_TIMEOUT bounds how long sent data may stay unacknowledged; keepalive
+// probes, which start after half of `timeout` of silence, one every sixth of it, three in
+// all, catch a connection that only receives. Whole seconds, at least 1. Returns 0, or
+// the errno of the option that could not be set.
+int set_keepalive(int fd, std::chrono::milliseconds timeout);
+
 // What one call that moves bytes achieved.
 enum class IoStatus {
   kDone,        // everything requested has moved

@@ -23,27 +23,39 @@
 // smaller buffer than the message is an error naming the peer and both sizes. Sizes are
 // 64-bit: messages from 0 bytes to many GiB.
 //
-// No thread of its own: bytes move when test() is called (NCCL's proxy thread calls
-// test() in a loop; the socket fabric polls fd() and calls test()). A comm, a listener and
-// a pending connect/accept are used by one thread at a time; counters() may be read from
-// any thread (telemetry).
+// Sockets and threads (ConnectionOptions). A listener advertises in its handle how many
+// TCP sockets each connection to it has (1 to kMaxSockets); each side chooses its own
+// number of helper threads. With one socket a message is its header then its payload on
+// that socket. With S > 1 sockets the payload is cut into at most S chunks of at least
+// kMinChunkBytes, chunk k on socket k, computed by both sides from the size alone (as
+// NCCL's socket transport does); socket 0 carries every header, then chunk 0:
 //
-// Room for later (net-plugin issue): several sockets per connection (the handle and the
-// handshake already carry a socket count and index; today both are 1 and 0) and helper
-// threads for large messages.
+//   socket 0:  [hdr m][chunk 0 of m][hdr m+1][chunk 0 of m+1] ...
+//   socket 1:  [chunk 1 of m]                [chunk 1 of m+1] ...   (if m has one)
+//   socket k:  [chunk k of m] ...
+//
+// Without helper threads (the default) bytes move when test() is called, by whoever
+// calls it (NCCL's proxy thread calls test() in a loop; the socket fabric polls fd() and
+// calls test()). With T helper threads, thread t owns sockets t, t+T, ..., moves their
+// bytes as soon as they can move (poll() on its sockets and a wake-up eventfd), and
+// test() only observes completion. A comm, a listener and a pending connect/accept are
+// used by one thread at a time; counters() and error() may be read from any thread.
+//
+// Receives match per tag across every posted request: an arriving message goes to the
+// oldest posted request (in posting order) that has an unclaimed buffer with its tag,
+// and requests complete independently. A message whose tag matches no posted buffer is
+// not an error: its header is read and its payload stays in the socket until a receive
+// with that tag is posted (NCCL posts every receive eventually, and its sender never
+// needs a later message to be received first). Messages behind it on the connection wait
+// meanwhile: the payloads are one ordered byte stream, and buffering them instead would
+// take unbounded memory. The socket fabric posts each exchange's receives before it
+// waits, so nothing of it waits on a later post.
+//
+// Every connected socket has TCP keepalive and TCP_USER_TIMEOUT set from
+// ConnectionOptions::user_timeout, so that a connection whose peer host vanished fails
+// (with an error naming the peer) instead of waiting forever.
 //
 // Known limits (left for a later issue; read before writing the NCCL net-plugin adapter):
-//  - Grouped receives match only the oldest posted request. A message whose tag has no
-//    unfilled buffer in the head request is an error, even when a later request has
-//    one. NCCL's proxy groups the subs that share a recvComm (PXN) into one irecv, one
-//    tag per sub, and posts the next group before the first completes, while the
-//    sending side posts each sub's steps on its own: sub A's step k+1 can arrive before
-//    sub B's step k, and the connection fails. Matching must become per tag across all
-//    posted requests (in order per tag) before grouped receives are offered to NCCL.
-//  - CommCounters::busy_ns is not a bandwidth denominator: it counts time with any
-//    request in flight, so a receive posted ahead that waits 1 s for its peer makes a
-//    1 MiB message look like 1 MB/s; and it is added only when the queue drains, so a
-//    comm that always has a request posted (NCCL's proxy keeps several) reports 0.
 //  - One PendingAccept takes one connection at a time, in backlog order: a connection
 //    that says nothing holds it until its handshake deadline (then it fails, with
 //    accept_error() == 0), and genuine connectors queued behind may time out meanwhile.
@@ -51,20 +63,15 @@
 //    one accept per connection, should start a new accept() after a peer's failure
 //    instead of failing NCCL's accept, and choose its handshake timeouts: a connector's
 //    deadline includes the time until the peer calls accept(), which NCCL does not bound.
-//  - One socket per connection and no helper threads (above): throughput is that of one
-//    TCP stream, moved by whoever calls test().
+//  - A message whose tag no posted receive has holds up the messages behind it (above).
+//  - With helper threads, fd() and poll_events() say nothing useful (the threads own the
+//    sockets): a caller waits by calling test() again.
 //  - A rendezvous joiner (socket fabric) that reaches a service which accepts and stays
 //    silent (another program on the port) waits for the whole timeout before it fails.
 //  - The rendezvous carries no job identity: two jobs on one host with the same port can
 //    admit each other's ranks (the second job's rank 0 fails to bind; its other ranks may
 //    join the first). A token (TORCHELASTIC_RUN_ID or a parameter) in the join message
 //    would refuse them.
-//  - The hello carries no per-connection id: once a connection has several sockets, a
-//    listener that accepts from several senders cannot tell which sockets belong
-//    together (the reserved bytes can hold a random id).
-//  - No TCP keepalive or TCP_USER_TIMEOUT: a connection whose peer host vanishes while it
-//    only receives waits forever in the transport (the socket fabric bounds it with its
-//    own timeout; the adapter must too).
 #pragma once
 
 #include <poll.h>
@@ -73,8 +80,10 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "plugin/transport/socket.h"
 
@@ -99,6 +108,30 @@ inline constexpr uint64_t kMaxMessageBytes = uint64_t{1} << 40;
 // connecting side from connect() to the listener's reply (which includes the time the
 // peer takes to call accept() and step it).
 inline constexpr std::chrono::milliseconds kDefaultHandshakeTimeout{5000};
+// Sockets one connection may have (NCCL's MAX_SOCKETS).
+inline constexpr int kMaxSockets = 64;
+// The smallest payload chunk of a message spread over several sockets (NCCL's
+// MIN_CHUNKSIZE): smaller messages travel whole on socket 0.
+inline constexpr uint64_t kMinChunkBytes = uint64_t{64} << 10;
+// How long a connected socket may go without its peer acknowledging data or answering
+// keepalive probes before the connection fails (TCP_USER_TIMEOUT).
+inline constexpr std::chrono::milliseconds kDefaultUserTimeout{std::chrono::minutes(5)};
+
+// How a connection moves its bytes.
+struct ConnectionOptions {
+  // TCP sockets per connection, 1 to kMaxSockets. listen() puts it in the handle;
+  // connect() and accept() take the handle's (the listener decides), and ignore this.
+  int sockets = 1;
+  // Helper threads of this side, 0 to `sockets` of the connection: 0 moves bytes in
+  // test(); T > 0 threads each own every T-th socket and move bytes by themselves.
+  int helper_threads = 0;
+  // TCP_USER_TIMEOUT and keepalive (idle time, probe interval, probe count derived from
+  // it) on every connected socket; positive.
+  std::chrono::milliseconds user_timeout = kDefaultUserTimeout;
+};
+// Why `options` are unusable ("" if they are): counts out of range, threads without
+// sockets to own, a non-positive timeout. `sockets` is the connection's socket count.
+std::string check_options(const ConnectionOptions& options, int sockets);
 
 // Who an endpoint is: its communicator (a job-wide random id) and its rank in it.
 struct Identity {
@@ -126,8 +159,7 @@ T get(const uint8_t*& in) {
   return static_cast<T>(bits);
 }
 
-// Connector -> listener, first thing on a connection (the fields, then 8 reserved zero
-// bytes).
+// Connector -> listener, first thing on every socket of a connection.
 struct Hello {
   uint64_t magic = 0;  // kHelloMagic
   uint32_t version = 0;
@@ -137,6 +169,10 @@ struct Hello {
   uint64_t nonce = 0;  // the listener's, read from its handle
   int32_t from_rank = kUnknownRank;
   int32_t to_rank = kUnknownRank;  // the rank the handle named
+  // Random per connection, the same on each of its sockets (0 from a peer that only
+  // knows single-socket connections), so that a listener accepting from several senders
+  // groups sockets correctly.
+  uint64_t connection_id = 0;
 };
 inline constexpr size_t kHelloBytes = 48;
 inline constexpr uint64_t kHelloMagic = 0x4f4c4c4548434752;  // "RGCHELLO"
@@ -189,7 +225,7 @@ uint64_t random_id();
 struct ListenHandle {
   uint64_t magic;                             // kHandleMagic
   uint32_t version;                           // kProtocolVersion
-  uint16_t socket_count;                      // sockets per connection the listener expects (1 today)
+  uint16_t socket_count;                      // sockets per connection the listener expects
   uint16_t address_length;                    // bytes of `address` in use
   uint64_t comm_id;                           // the listener's communicator
   uint64_t nonce;                             // random per listener: a connection must name it (no stale handles)
@@ -204,7 +240,7 @@ static_assert(std::is_trivially_copyable_v<ListenHandle> && std::is_standard_lay
 inline constexpr uint64_t kHandleMagic = 0x314c444e48434752;  // "RGCHNDL1" in memory
 
 // Why `handle` cannot be connected to ("" if it can): wrong magic or version, an address
-// of a wrong length or family, a socket count out of range.
+// of a wrong length or family, a socket count out of 1..kMaxSockets.
 std::string check_handle(const ListenHandle& handle);
 // The handle's address ("(invalid)" when it has none).
 std::string handle_address(const ListenHandle& handle);
@@ -217,7 +253,12 @@ struct CommCounters {
   uint64_t payload_bytes = 0;  // message payloads sent (SendComm) or received (RecvComm)
   uint64_t wire_bytes = 0;     // the same plus message headers: any sign of life
   uint64_t messages = 0;       // completed messages
-  uint64_t busy_ns = 0;        // time with at least one request in flight (finished spans)
+  // Time during which the payload of some message was moving, as a union over concurrent
+  // messages: on a sender from a message's first payload byte written to its last, on a
+  // receiver from the moment its header arrived and matched a buffer to its last byte
+  // (a message waiting for its receive to be posted does not count). It includes the
+  // span still open, so payload_bytes / busy_ns is the achieved bandwidth at any time.
+  uint64_t busy_ns = 0;
 };
 
 class SendComm;
@@ -245,20 +286,43 @@ class Listener {
   // connection it takes must complete the handshake (send a valid hello and take the
   // reply) within `handshake_timeout`, or it is closed and the PendingAccept fails.
   std::unique_ptr<PendingAccept> accept(std::chrono::milliseconds handshake_timeout = kDefaultHandshakeTimeout);
+  // The same with this side's options (helper threads, user timeout; the socket count is
+  // the handle's). Throws std::invalid_argument for unusable options.
+  std::unique_ptr<PendingAccept> accept(const ConnectionOptions& options,
+                                        std::chrono::milliseconds handshake_timeout = kDefaultHandshakeTimeout);
 
  private:
-  friend std::unique_ptr<Listener> listen(const SocketAddress&, const Identity&);
+  friend class PendingAccept;
+  friend std::unique_ptr<Listener> listen(const SocketAddress&, const Identity&, const ConnectionOptions&);
   Listener() = default;
+  // A socket whose hello was valid but which belongs to a connection another
+  // PendingAccept collects (or will): sockets of one connection may be accepted by
+  // different PendingAccepts when several senders connect at once.
+  struct Parked {
+    uint64_t connection_id = 0;
+    int index = 0;
+    int rank = kUnknownRank;
+    Fd fd;
+    std::string address;
+    std::chrono::steady_clock::time_point deadline;
+  };
   Fd fd_;
   Identity self_;
   SocketAddress address_;
   ListenHandle handle_{};
+  std::mutex parking_mutex_;
+  std::vector<Parked> parked_;          // under parking_mutex_
+  std::vector<uint64_t> claimed_;       // connection ids a PendingAccept collects; under parking_mutex_
 };
 
 // Listens on `address` (port 0: any free port) as endpoint `self`. The handle names the
 // address actually bound; a wildcard address (0.0.0.0) is not something a peer can reach,
 // so bind to a concrete interface. Throws TransportError.
 std::unique_ptr<Listener> listen(const SocketAddress& address, const Identity& self);
+// The same with `options.sockets` sockets per connection (in the handle); the other
+// fields are each side's own and given to connect() and accept(). Throws
+// std::invalid_argument for a socket count out of range.
+std::unique_ptr<Listener> listen(const SocketAddress& address, const Identity& self, const ConnectionOptions& options);
 
 // A connection being made to a listener: non-blocking connect, then the handshake.
 class PendingConnect {
@@ -270,8 +334,9 @@ class PendingConnect {
   Progress step();
   Stage stage() const { return stage_; }
   const std::string& error() const { return error_; }
-  // What to poll for before stepping again (-1 and 0 once done or failed).
-  int fd() const { return fd_.get(); }
+  // What to poll for before stepping again (-1 and 0 once done or failed): the socket
+  // that is furthest behind, when the connection has several.
+  int fd() const;
   short poll_events() const;
   // When the handshake times out: step() at or after it fails with a message saying so.
   // Poll no longer than until then.
@@ -280,22 +345,31 @@ class PendingConnect {
   std::unique_ptr<SendComm> take();
 
  private:
-  friend std::unique_ptr<PendingConnect> connect(const ListenHandle&, const Identity&, std::chrono::milliseconds);
+  friend std::unique_ptr<PendingConnect> connect(const ListenHandle&, const Identity&, const ConnectionOptions&,
+                                                 std::chrono::milliseconds);
   PendingConnect() = default;
+  // One socket of the connection and how far its handshake is.
+  struct Link {
+    Fd fd;
+    Stage stage = Stage::kConnecting;
+    uint8_t hello[wire::kHelloBytes] = {};
+    uint8_t reply[wire::kReplyBytes] = {};
+    size_t offset = 0;
+  };
   Progress advance();  // step() without the deadline
+  Progress advance(Link& link);
   Progress fail(std::string message);
-  Progress check_reply();
+  Progress check_reply(Link& link);
+  const Link* behind() const;  // the least advanced link
 
   Stage stage_ = Stage::kConnecting;
   std::chrono::milliseconds timeout_{0};
   std::chrono::steady_clock::time_point deadline_;
-  Fd fd_;
+  std::vector<Link> links_;
+  ConnectionOptions options_;
   Identity self_;
   ListenHandle handle_{};
   std::string peer_name_;  // "rank 3 at 10.0.0.2:41234", for every message about this peer
-  uint8_t hello_[wire::kHelloBytes] = {};
-  uint8_t reply_[wire::kReplyBytes] = {};
-  size_t offset_ = 0;
   std::string error_;
   std::unique_ptr<SendComm> comm_;
 };
@@ -307,6 +381,11 @@ class PendingConnect {
 // handle is unusable or names another communicator (self.comm_id); a refused connection
 // is reported by step().
 std::unique_ptr<PendingConnect> connect(const ListenHandle& handle, const Identity& self,
+                                        std::chrono::milliseconds timeout = kDefaultHandshakeTimeout);
+// The same with this side's options (helper threads, user timeout; the socket count is
+// the handle's). Throws std::invalid_argument for unusable options.
+std::unique_ptr<PendingConnect> connect(const ListenHandle& handle, const Identity& self,
+                                        const ConnectionOptions& options,
                                         std::chrono::milliseconds timeout = kDefaultHandshakeTimeout);
 
 // A connection being accepted: waiting for a sender, then the handshake. A connection
@@ -335,21 +414,36 @@ class PendingAccept {
 
  private:
   friend class Listener;
-  PendingAccept(const Listener* listener, std::chrono::milliseconds handshake_timeout)
-      : listener_(listener), timeout_(handshake_timeout) {}
+  PendingAccept(Listener* listener, const ConnectionOptions& options, std::chrono::milliseconds handshake_timeout)
+      : listener_(listener), options_(options), timeout_(handshake_timeout) {}
+  // One collected socket of the connection.
+  struct Link {
+    Fd fd;
+    size_t offset = 0;  // of the reply sent on it
+  };
   Progress advance();  // step() without the deadline
+  Progress collect();  // kReceivingHello: reads hellos until every socket is there
   Progress fail(std::string message);
   Progress refuse(uint32_t reason, std::string message);
-  Progress check_hello();
+  Progress check_hello(wire::Hello* hello);
+  void adopt(uint64_t connection_id);           // claims it (parking_mutex_ held)
+  void add_link(int index, Fd fd);
+  void take_parked();                           // this connection's sockets the listener parked
+  void park(const wire::Hello& hello, Fd fd);   // a socket of another connection
+  void release();                               // gives the connection id and its sockets up
+  int collected() const;
 
-  const Listener* listener_;
+  Listener* listener_;
+  const ConnectionOptions options_;
   const std::chrono::milliseconds timeout_;
   std::chrono::steady_clock::time_point deadline_ = std::chrono::steady_clock::time_point::max();
   int accept_error_ = 0;
   Stage stage_ = Stage::kWaitingForConnection;
-  Fd fd_;
+  Fd fd_;  // the socket whose hello is being read
   std::string peer_address_;
   int peer_rank_ = kUnknownRank;
+  uint64_t connection_id_ = 0;  // 0 until the first socket's hello is read
+  std::vector<Link> links_;     // by socket index; fd invalid until collected
   uint8_t hello_[wire::kHelloBytes] = {};
   uint8_t reply_[wire::kReplyBytes] = {};
   size_t offset_ = 0;
@@ -380,10 +474,14 @@ class SendComm {
   int peer_rank() const;
   // "rank 3 at 10.0.0.2:41234" (or "10.0.0.2:41234" when the rank is unknown).
   const std::string& peer_name() const;
+  // Without helper threads: the socket to poll (the first that waits), and for what.
+  // With helper threads: socket 0, and 0 (the threads move the bytes).
   int fd() const;
   short poll_events() const;  // POLLOUT while messages wait to be sent, else 0
   CommCounters counters() const;
-  const std::string& error() const;  // empty unless a test() reported kError
+  const std::string& error() const;  // empty unless the connection failed
+  int sockets() const;
+  int helper_threads() const;
 
  private:
   friend class PendingConnect;
@@ -399,10 +497,11 @@ class RecvComm {
   RecvComm& operator=(const RecvComm&) = delete;
 
   // Posts a receive of `n` messages (1..kMaxRecvs) into data[i] (room for sizes[i] bytes),
-  // one per tag: each arriving message goes to the first unfilled buffer whose tag
-  // matches; a message whose tag matches none is an error (the ranks disagree on what
-  // comes next). A message may be smaller than its buffer (test() reports its size), not
-  // larger. nullptr when kMaxRequests requests are in flight. The arrays are copied.
+  // one per tag: each arriving message goes to the oldest posted request with an
+  // unclaimed buffer of its tag (in posting order, then buffer order); a message whose
+  // tag matches none waits for such a receive (see the top of this file). A message may
+  // be smaller than its buffer (test() reports its size), not larger (an error naming
+  // both sizes). nullptr when kMaxRequests requests are in flight. The arrays are copied.
   Request* irecv(int n, void* const* data, const uint64_t* sizes, const int* tags);
   // As SendComm::test; `sizes` (n entries, may be null) gets each message's size.
   Progress test(Request* request, bool* done, uint64_t* sizes);
@@ -413,6 +512,8 @@ class RecvComm {
   short poll_events() const;  // POLLIN while receives are posted, else 0
   CommCounters counters() const;
   const std::string& error() const;
+  int sockets() const;
+  int helper_threads() const;
 
  private:
   friend class PendingAccept;
