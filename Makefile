@@ -206,6 +206,12 @@ $(INTERPOSE_LIB): tests/interpose/fake_libnccl.c
 $(INTERPOSE_BIN): tests/interpose/probe.c $(INTERPOSE_LIB)
 	@mkdir -p $(@D)
 	$(CC) -O1 -Wall -o $@ $< -L$(dir $(INTERPOSE_LIB)) -lfakenccl -Wl,-rpath,$(abspath $(dir $(INTERPOSE_LIB)))
+# Drives the NCCL net plugin (dlopen of liblgreco.so, ncclNetPlugin_vN) as NCCL's proxy
+# does, for tests/unit/net_plugin_test.cc; links nothing of lgreco's (headers only).
+NET_HARNESS_BIN := $(BUILD)/bin/lgreco-net-harness
+$(NET_HARNESS_BIN): $(call obj,tests/net/net_harness.cc)
+	@mkdir -p $(@D)
+	$(CXX) -o $@ $< -ldl -pthread
 # For the net plugin's loader (plugin/net/loader.h, tests/unit/loader_test.cc): a library
 # calling that libnccl through its PLT, with lazy binding and with full RELRO, and a
 # program that loads liblgreco.so after it as NCCL loads a net plugin.
@@ -249,10 +255,10 @@ $(TSAN_BIN): $(TSAN_OBJS)
 # file-format suites run the built binaries and $(PYTHON).
 # deps runs first even under -j: the build starts from the recipe, after it.
 test: deps
-	@$(MAKE) --no-print-directory all $(TEST_BIN) $(GPU_CHECK_BIN) $(INTERPOSE_BIN) $(CALLER_LIBS) $(PLUGIN_PROBES)
+	@$(MAKE) --no-print-directory all $(TEST_BIN) $(GPU_CHECK_BIN) $(INTERPOSE_BIN) $(CALLER_LIBS) $(PLUGIN_PROBES) $(NET_HARNESS_BIN)
 	LGRECO_TEST_BIN_DIR=$(CURDIR)/$(BUILD)/bin LGRECO_TEST_LIB=$(CURDIR)/$(LIB) LGRECO_TEST_PYTHON=$(PYTHON) \
 	LGRECO_TEST_NCCL_LIB=$(NCCL_HOME)/lib64/libnccl.so LGRECO_TEST_SOURCE_DIR=$(CURDIR) \
-	LGRECO_TEST_INTERPOSE_PROBE=$(CURDIR)/$(INTERPOSE_BIN) \
+	LGRECO_TEST_INTERPOSE_PROBE=$(CURDIR)/$(INTERPOSE_BIN) LGRECO_TEST_NET_HARNESS=$(CURDIR)/$(NET_HARNESS_BIN) \
 	LGRECO_TEST_CALLER_LIB=$(CURDIR)/$(CALLER_LIB) LGRECO_TEST_PLUGIN_PROBE=$(CURDIR)/$(PLUGIN_PROBE) \
 	  $(TEST_BIN) --report_level=short --log_level=warning
 	@$(MAKE) --no-print-directory test-tsan
