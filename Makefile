@@ -214,19 +214,17 @@ $(NET_HARNESS_BIN): $(call obj,tests/net/net_harness.cc)
 	$(CXX) -o $@ $< -ldl -pthread
 # For the net plugin's loader (plugin/net/loader.h, tests/unit/loader_test.cc): a library
 # calling that libnccl through its PLT, with lazy binding and with full RELRO, and a
-# program that loads liblgreco.so after it as NCCL loads a net plugin.
+# program that loads it and then liblgreco.so as NCCL loads a net plugin.
 CALLER_LIB    := $(BUILD)/lib/test/liblgreco-caller
-PLUGIN_PROBE  := $(BUILD)/bin/lgreco-plugin-probe
 CALLER_LIBS   := $(CALLER_LIB)-lazy.so $(CALLER_LIB)-now.so
-PLUGIN_PROBES := $(PLUGIN_PROBE)-lazy $(PLUGIN_PROBE)-now
+PLUGIN_PROBE  := $(BUILD)/bin/lgreco-plugin-probe
 $(CALLER_LIB)-lazy.so: CALLER_LDFLAGS := -Wl,-z,lazy -Wl,-z,norelro
 $(CALLER_LIB)-now.so: CALLER_LDFLAGS := -Wl,-z,now -Wl,-z,relro
 $(CALLER_LIBS): $(CALLER_LIB)-%.so: tests/interpose/caller.c $(INTERPOSE_LIB)
 	$(CC) -shared -fPIC -O1 -Wall $(CALLER_LDFLAGS) -o $@ $< -L$(dir $(INTERPOSE_LIB)) -lfakenccl -Wl,-rpath,$(abspath $(dir $(INTERPOSE_LIB)))
-$(PLUGIN_PROBES): $(PLUGIN_PROBE)-%: tests/interpose/plugin_probe.cc $(CALLER_LIB)-%.so plugin/net/net_abi.h
+$(PLUGIN_PROBE): tests/interpose/plugin_probe.cc plugin/net/net_abi.h
 	@mkdir -p $(@D)
-	$(CXX) -std=c++20 -I. -O1 -Wall -o $@ $< -L$(dir $(INTERPOSE_LIB)) -llgreco-caller-$* -lfakenccl \
-	  -Wl,-rpath,$(abspath $(dir $(INTERPOSE_LIB))) -ldl
+	$(CXX) -std=c++20 -I. -O1 -Wall -o $@ $< -ldl
 
 # The multi-threaded parts, built again with ThreadSanitizer: the controller's solver
 # thread, and the engine with the in-process and socket fabrics (ranks as threads).
@@ -255,7 +253,7 @@ $(TSAN_BIN): $(TSAN_OBJS)
 # file-format suites run the built binaries and $(PYTHON).
 # deps runs first even under -j: the build starts from the recipe, after it.
 test: deps
-	@$(MAKE) --no-print-directory all $(TEST_BIN) $(GPU_CHECK_BIN) $(INTERPOSE_BIN) $(CALLER_LIBS) $(PLUGIN_PROBES) $(NET_HARNESS_BIN)
+	@$(MAKE) --no-print-directory all $(TEST_BIN) $(GPU_CHECK_BIN) $(INTERPOSE_BIN) $(CALLER_LIBS) $(PLUGIN_PROBE) $(NET_HARNESS_BIN)
 	LGRECO_TEST_BIN_DIR=$(CURDIR)/$(BUILD)/bin LGRECO_TEST_LIB=$(CURDIR)/$(LIB) LGRECO_TEST_PYTHON=$(PYTHON) \
 	LGRECO_TEST_NCCL_LIB=$(NCCL_HOME)/lib64/libnccl.so LGRECO_TEST_SOURCE_DIR=$(CURDIR) \
 	LGRECO_TEST_INTERPOSE_PROBE=$(CURDIR)/$(INTERPOSE_BIN) LGRECO_TEST_NET_HARNESS=$(CURDIR)/$(NET_HARNESS_BIN) \

@@ -123,8 +123,14 @@ ShimState prepare(Loader& l, std::string* detail) {
   l.rebindings = std::move(rebindings);
   l.prepared = true;
   // Under LD_PRELOAD (or with the library otherwise first in the global scope) every
-  // caller already binds to our definitions.
-  if (dlsym(RTLD_DEFAULT, kAllReduce) == l.rebindings[l.all_reduce_index].replacement) {
+  // caller already binds to our definitions. The global scope is what the main
+  // program's handle searches; RTLD_DEFAULT would not do: called from a library loaded
+  // RTLD_LOCAL (NCCL's dlopen of its plugin), it also searches that library's own scope
+  // and would find our definition where no caller can.
+  void* global_scope = dlopen(nullptr, RTLD_LAZY);
+  const void* global = global_scope ? dlsym(global_scope, kAllReduce) : nullptr;
+  if (global_scope) dlclose(global_scope);
+  if (global == l.rebindings[l.all_reduce_index].replacement) {
     l.settled = ShimState::kAlreadyActive;
     l.is_settled = true;
     *detail = "lgreco's shim already receives NCCL calls (LD_PRELOAD): nothing to rebind";
