@@ -219,7 +219,8 @@ CALLER_LIB    := $(BUILD)/lib/test/liblgreco-caller
 CALLER_LIBS   := $(CALLER_LIB)-lazy.so $(CALLER_LIB)-now.so
 PLUGIN_PROBE  := $(BUILD)/bin/lgreco-plugin-probe
 $(CALLER_LIB)-lazy.so: CALLER_LDFLAGS := -Wl,-z,lazy -Wl,-z,norelro
-$(CALLER_LIB)-now.so: CALLER_LDFLAGS := -Wl,-z,now -Wl,-z,relro
+# The full-RELRO build also has only the old DT_HASH table, for LoadedObject::defines.
+$(CALLER_LIB)-now.so: CALLER_LDFLAGS := -Wl,-z,now -Wl,-z,relro -Wl,--hash-style=sysv
 $(CALLER_LIBS): $(CALLER_LIB)-%.so: tests/interpose/caller.c $(INTERPOSE_LIB)
 	$(CC) -shared -fPIC -O1 -Wall $(CALLER_LDFLAGS) -o $@ $< -L$(dir $(INTERPOSE_LIB)) -lfakenccl -Wl,-rpath,$(abspath $(dir $(INTERPOSE_LIB)))
 $(PLUGIN_PROBE): tests/interpose/plugin_probe.cc plugin/net/net_abi.h
