@@ -286,7 +286,7 @@ class RawClient {
   }
   // A valid lgreco hello for socket `index` of the handle's connection; the listener's
   // reply status (or -1 when none came).
-  int64_t handshake(const transport::ListenHandle& handle, uint16_t index) {
+  int64_t handshake(const transport::ListenHandle& handle, uint16_t index, uint64_t connection_id) {
     wire::Hello hello;
     hello.magic = wire::kHelloMagic;
     hello.version = transport::kProtocolVersion;
@@ -296,6 +296,7 @@ class RawClient {
     hello.nonce = handle.nonce;
     hello.from_rank = transport::kUnknownRank;
     hello.to_rank = handle.rank;
+    hello.connection_id = connection_id;  // the same on every socket of one connection
     uint8_t bytes[wire::kHelloBytes];
     wire::encode(hello, bytes);
     if (!send_all(bytes, sizeof bytes)) return -1;
@@ -354,23 +355,26 @@ void handshake_fault(const char* name, Misbehave misbehave) {
 
 // An lgreco peer that completes the handshake, then sends a message header of `size`
 // bytes for tag 7 where the receiver posted 4096: the receiver's test() must fail.
-void oversize_header(uint64_t size, size_t payload_bytes) {
+void oversize_header(uint64_t size, size_t payload_bytes, int sockets = 1) {
   Pair pair;
   pair.recv_cases = {"expect-error"};
   pair.recv_extra_args = {"--expect-capacity", "4096", "--expect-tag", "7"};
   pair.harness_timeout_s = 30;
-  pair.extra_env = {{"LGRECO_SOCKET_NTHREADS", "1"}, {"LGRECO_NSOCKS_PERTHREAD", "1"}};
+  pair.extra_env = {{"LGRECO_SOCKET_NTHREADS", "1"}, {"LGRECO_NSOCKS_PERTHREAD", std::to_string(sockets)}};
   auto recv = pair.start_recv();
   BOOST_TEST_REQUIRE(recv->started());
   const auto handle = pair.wait_handle(*recv, 20s);
   BOOST_TEST_REQUIRE(handle.has_value(), report("receiver (no handle)", Exit{}, recv->output()));
   BOOST_TEST(handle->comm_id == pair.comm_id, "the handle names communicator "
                                                   << handle->comm_id << ", init was given " << pair.comm_id);
-  std::vector<std::unique_ptr<RawClient>> sockets;
+  BOOST_TEST(handle->socket_count == sockets, "LGRECO_NSOCKS_PERTHREAD=" << sockets << " gave a handle with "
+                                                                         << handle->socket_count << " sockets");
+  std::vector<std::unique_ptr<RawClient>> connection;
+  const uint64_t connection_id = fresh_id();
   try {
     for (uint16_t i = 0; i < std::max<uint16_t>(handle->socket_count, 1); ++i) {
-      sockets.push_back(std::make_unique<RawClient>(*handle));
-      const int64_t status = sockets.back()->handshake(*handle, i);
+      connection.push_back(std::make_unique<RawClient>(*handle));
+      const int64_t status = connection.back()->handshake(*handle, i, connection_id);
       BOOST_TEST_REQUIRE(status == 0, "the listener answered a valid hello (socket "
                                           << i << " of " << handle->socket_count << ") with status " << status << " ("
                                           << (status >= 0 ? wire::reply_status_name(static_cast<uint32_t>(status))
@@ -383,14 +387,14 @@ void oversize_header(uint64_t size, size_t payload_bytes) {
   }
   uint8_t header[wire::kMessageHeaderBytes];
   wire::encode(wire::MessageHeader{size, 7, 0}, header);
-  BOOST_TEST_REQUIRE(sockets[0]->send_all(header, sizeof header));
+  BOOST_TEST_REQUIRE(connection[0]->send_all(header, sizeof header));
   std::vector<uint8_t> payload(payload_bytes, 0x5A);
-  if (!payload.empty()) (void)sockets[0]->send_all(payload.data(), payload.size());  // may be refused: fine
+  if (!payload.empty()) (void)connection[0]->send_all(payload.data(), payload.size());  // may be refused: fine
   // The connection stays open (the sockets live until after the wait): the error must
   // come from the size check, not from a closed connection.
   const Exit r = recv->wait(pair.deadline());
   const std::string out = recv->output();
-  sockets.clear();
+  connection.clear();
   BOOST_TEST_MESSAGE("oversize header of " << size << " bytes:\n" << out);
   BOOST_TEST((r.code == 0 && !r.timed_out), "a message header of " << size << " bytes for a 4096-byte receive: "
                                                                     << report("receiver", r, out));
@@ -482,7 +486,17 @@ BOOST_AUTO_TEST_CASE(loopback_with_helper_threads_and_several_sockets) {
   pair.recv_cases = pair.send_cases = {"sizes", "inflight", "grouped"};
   pair.extra_env = {{"LGRECO_SOCKET_NTHREADS", "2"}, {"LGRECO_NSOCKS_PERTHREAD", "2"}};
   pair.harness_timeout_s = 60;
-  BOOST_TEST_CONTEXT("seed " << pair.seed) { run_and_expect_pass(pair); }
+  BOOST_TEST_CONTEXT("seed " << pair.seed) {
+    run_and_expect_pass(pair);
+    // 2 threads x 2 sockets each: the listener must ask for 4 sockets per connection, or
+    // this case tested one socket without saying so.
+    const auto bytes = lgreco::test::read_bytes(pair.handle_file());
+    BOOST_TEST_REQUIRE(bytes.size() == 128u);
+    transport::ListenHandle h;
+    std::memcpy(&h, bytes.data(), sizeof h);
+    BOOST_TEST(h.socket_count == 4u, "LGRECO_SOCKET_NTHREADS=2 LGRECO_NSOCKS_PERTHREAD=2, but the handle asks for "
+                                         << h.socket_count << " socket(s) per connection");
+  }
 }
 
 // The older tables NCCL 2.19-2.27 use: v8 (int sizes) with every small case, v9 and v10
@@ -580,5 +594,10 @@ BOOST_AUTO_TEST_CASE(header_one_byte_larger_than_the_receive_fails_it) { oversiz
 
 // ... or an absurd size (2^62).
 BOOST_AUTO_TEST_CASE(header_of_absurd_size_fails_the_receive) { oversize_header(uint64_t{1} << 62, 0); }
+
+// ... on a connection of two sockets (the header travels on socket 0).
+BOOST_AUTO_TEST_CASE(header_of_absurd_size_on_two_sockets_fails_the_receive) {
+  oversize_header(uint64_t{1} << 62, 0, 2);
+}
 
 BOOST_AUTO_TEST_SUITE_END()
