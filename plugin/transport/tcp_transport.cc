@@ -356,16 +356,13 @@ class Connection {
   }
 
   int fd() const {
-    if (threads_.empty())
-      for (int i = 0; i < socket_count_; ++i)
-        if (sockets_[static_cast<size_t>(i)].wants) return sockets_[static_cast<size_t>(i)].fd.get();
-    return sockets_[0].fd.get();
+    const Socket* s = waiting_socket();
+    return s ? s->fd.get() : sockets_[0].fd.get();
   }
 
   short poll_events() const {
     if (failed() || !threads_.empty()) return 0;
-    for (int i = 0; i < socket_count_; ++i)
-      if (sockets_[static_cast<size_t>(i)].wants) return sockets_[static_cast<size_t>(i)].wants;
+    if (const Socket* s = waiting_socket()) return s->wants;
     std::lock_guard<std::mutex> lock(mu_);
     if (queued_ == 0) return 0;
     return sending_ ? POLLOUT : POLLIN;
@@ -428,6 +425,21 @@ class Connection {
   };
 
   bool failed() const { return failed_.load(std::memory_order_acquire); }
+
+  // Without helper threads: the socket a caller should wait for. One in the middle of a
+  // part comes first: socket 0 waiting for the next header while another socket still
+  // receives this message's chunk would sleep through that chunk.
+  const Socket* waiting_socket() const {
+    if (!threads_.empty()) return nullptr;
+    const Socket* first = nullptr;
+    for (int i = 0; i < socket_count_; ++i) {
+      const Socket& s = sockets_[static_cast<size_t>(i)];
+      if (!s.wants) continue;
+      if (s.have_part) return &s;
+      if (!first) first = &s;
+    }
+    return first;
+  }
   bool owns(const Request* r) const { return r >= pool_.data() && r < pool_.data() + pool_.size(); }
 
   // mu_ held.

@@ -465,7 +465,8 @@ class SendComm {
   // are in flight: test() some and post again. Throws TransportError on a failed comm and
   // std::invalid_argument for a null `data` with size > 0 or size > kMaxMessageBytes.
   Request* isend(const void* data, uint64_t size, int tag);
-  // Moves bytes of every posted message in order. *done once `request` has been sent
+  // Moves bytes of every posted message in order (without helper threads; with them it
+  // only looks). *done once `request` has been sent
   // entirely (its slot is then free again; *size, if given, is its size). kError: the
   // connection failed (error() says why) and every request with it. Throws
   // std::invalid_argument for a request that is not in flight on this comm.

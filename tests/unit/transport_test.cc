@@ -986,19 +986,24 @@ BOOST_AUTO_TEST_CASE(a_failed_socket_fails_every_request_with_the_peer_named) {
       Request* second = pair.recv->irecv(1, &pb, &cb, &tb);
       Request* s = pair.send->isend(out.data(), out.size(), 1);
       // Some bytes move, then the sender's process is gone mid-message.
+      // (A fast machine may receive all of it first: then only `second` is left to fail.)
+      Progress p1 = Progress::kPending, p2 = Progress::kPending;
       BOOST_TEST(eventually([&] {
         if (s && pair.send->test(s, nullptr, nullptr) != Progress::kPending) s = nullptr;
-        pair.recv->test(first, nullptr, nullptr);
+        p1 = pair.recv->test(first, nullptr, nullptr);
         return pair.recv->counters().payload_bytes > 0;
       }));
+      const bool first_done = p1 == Progress::kDone;
       pair.send.reset();
-      Progress p1 = Progress::kPending, p2 = Progress::kPending;
       BOOST_TEST(eventually([&] {
         if (p1 == Progress::kPending) p1 = pair.recv->test(first, nullptr, nullptr);
         if (p2 == Progress::kPending) p2 = pair.recv->test(second, nullptr, nullptr);
         return p1 != Progress::kPending && p2 != Progress::kPending;
       }));
-      BOOST_TEST((p1 == Progress::kError));
+      // The sender may have handed all of `first` to the kernel before it went: then
+      // it still arrives whole. `second` never can.
+      BOOST_TEST((p1 != Progress::kPending));
+      if (first_done) BOOST_TEST((p1 == Progress::kDone));
       BOOST_TEST((p2 == Progress::kError));
       BOOST_TEST(contains(pair.recv->error(), "rank 0 at 127.0.0.1:"), pair.recv->error());
       BOOST_TEST(contains(pair.recv->error(), "closed the connection"), pair.recv->error());
