@@ -290,7 +290,7 @@ class Connection {
       r->parts_left = chunk_count(size, socket_count_);
       r->started = false;
       wire::encode(wire::MessageHeader{size, tag, static_cast<uint32_t>(posted_)}, r->header);
-      send_ring_[posted_ % kMaxRequests] = static_cast<uint8_t>(r - pool_.data());
+      send_ring_[posted_ % kMaxRequests] = Posted{static_cast<uint8_t>(r - pool_.data()), size};
       ++posted_;
       enqueue(r);
       wake();
@@ -515,13 +515,15 @@ class Connection {
       if (!s.have_part) {
         std::lock_guard<std::mutex> lock(mu_);
         if (failed() || s.seq == posted_) return d;
-        Request* r = &pool_[send_ring_[s.seq % kMaxRequests]];
-        const Chunk c = chunk_of(r->send_size, socket_count_, i);
+        const Posted& posted = send_ring_[s.seq % kMaxRequests];
+        const Chunk c = chunk_of(posted.size, socket_count_, i);
         if (!c.exists) {  // a message too small to reach this socket
           ++s.seq;
           d.progressed = true;
           continue;
         }
+        // This socket's part is still to send, so the request has not completed.
+        Request* r = &pool_[posted.request];
         s.have_part = true;
         s.request = r;
         s.header = i == 0 ? r->header : nullptr;
@@ -791,8 +793,13 @@ class Connection {
   int in_flight_ = 0;        // requests not free (posted, or complete and not yet tested)
   int queued_ = 0;           // requests with bytes still to move
   uint64_t next_order_ = 0;
-  // Send: pool indices of posted messages by message number (socket drivers walk it).
-  std::array<uint8_t, kMaxRequests> send_ring_{};
+  // Send: posted messages by message number (socket drivers walk it).
+  struct Posted {
+    uint8_t request = 0;  // pool index
+    uint64_t size = 0;    // the message's own: the request may be reused before a socket
+                          // without a chunk of it walks past (it completed without that socket)
+  };
+  std::array<Posted, kMaxRequests> send_ring_{};
   uint64_t posted_ = 0;
   // Receive: messages whose header socket 0 matched, by message number.
   std::array<Arrival, kArrivalSlots> arrivals_{};

@@ -928,6 +928,60 @@ BOOST_AUTO_TEST_CASE(messages_spread_over_several_sockets_arrive_intact) {
   }
 }
 
+// A one-chunk message completes on socket 0 alone, and its request may be reused for the
+// next message before another socket's thread has walked past it: that socket must skip
+// the message by the size it was posted with, not by what the reused request holds now
+// (it once sent the next message's chunk in its place, and the stream fell out of step).
+BOOST_AUTO_TEST_CASE(a_socket_without_a_chunk_skips_a_message_whose_request_was_reused) {
+  const uint64_t seed = test::run_seed();
+  std::mt19937_64 rng(seed);
+  // The receiver's threads take every message while the sender posts each one as soon as
+  // the one before completes, so that the sender's threads race the reuse.
+  for (const Config& config : {Config{4, 2, 2}, Config{4, 4, 1}, Config{2, 1, 1}}) {
+    BOOST_TEST_CONTEXT("seed " << seed << ", " << config) {
+      Pair pair = connected_pair(config.sockets, config.send_threads, config.recv_threads);
+      constexpr int kBatch = 30;
+      const size_t sizes[] = {1, 4 * kMinChunkBytes + 3};
+      const int tag = 3;
+      for (int round = 0; round < 20; ++round) {
+        std::vector<std::vector<uint8_t>> out(kBatch), in(kBatch);
+        std::vector<Request*> receives(kBatch);
+        for (int i = 0; i < kBatch; ++i) {
+          out[i] = random_bytes(sizes[i % 2], rng);
+          in[i].assign(out[i].size() + 9, 0xA5);
+          void* buffer = in[i].data();
+          const uint64_t capacity = in[i].size();
+          receives[i] = pair.recv->irecv(1, &buffer, &capacity, &tag);
+          BOOST_TEST_REQUIRE(receives[i]);
+        }
+        for (int i = 0; i < kBatch; ++i) {
+          Request* s = pair.send->isend(out[i].data(), out[i].size(), tag);
+          BOOST_TEST_REQUIRE(s);
+          bool done = false;
+          BOOST_TEST_REQUIRE(eventually([&] { return pair.send->test(s, &done, nullptr) != Progress::kPending && done; }),
+                             "send " << i << ": " << pair.send->error());
+        }
+        for (int i = 0; i < kBatch; ++i) {
+          bool done = false;
+          uint64_t received = 0;
+          Progress p = Progress::kPending;
+          eventually([&] {
+            p = pair.recv->test(receives[i], &done, &received);
+            return p == Progress::kError || done;
+          });
+          BOOST_TEST_REQUIRE((p == Progress::kDone && done), "round " << round << ", message " << i << ": "
+                                                                     << pair.recv->error());
+          BOOST_TEST_REQUIRE(received == out[i].size());
+          BOOST_TEST_REQUIRE(std::equal(out[i].begin(), out[i].end(), in[i].begin()),
+                             "round " << round << ", message " << i << " of " << out[i].size()
+                                      << " bytes arrived with other bytes");
+          BOOST_TEST_REQUIRE(in[i][out[i].size()] == 0xA5);
+        }
+      }
+    }
+  }
+}
+
 BOOST_AUTO_TEST_CASE(with_helper_threads_bytes_move_without_test) {
   Pair pair = connected_pair(2, 2, 1);
   std::mt19937_64 rng(test::run_seed());
