@@ -1,5 +1,6 @@
 #include "plugin/net/net_plugin.h"
 
+#include <algorithm>
 #include <climits>
 #include <cstring>
 #include <exception>
@@ -62,7 +63,10 @@ struct ListenObject {
   uint64_t magic = kListenMagic;
   int dev = 0;
   std::unique_ptr<transport::Listener> listener;
-  std::unique_ptr<transport::PendingAccept> pending;
+  // Accepts in progress, oldest first: at most one waits for a connection, the others
+  // are handshaking with a connection they took. Several side by side keep a peer that
+  // opens a connection and then stays silent from delaying the one NCCL expects.
+  std::vector<std::unique_ptr<transport::PendingAccept>> pending;
   int refused = 0;  // connections that failed their handshake
 };
 
@@ -104,11 +108,20 @@ struct NetPlugin::PendingConnectEntry {
 };
 
 NetPlugin::NetPlugin(Options options) : options_(std::move(options)) {
-  if (options_.sockets_per_connection < 1 || options_.helper_threads < 0)
-    throw std::invalid_argument("NetPlugin: sockets per connection must be >= 1 and helper threads >= 0");
+  if (const std::string why = transport::check_options(connection_options(options_.sockets_per_connection),
+                                                       options_.sockets_per_connection);
+      !why.empty())
+    throw std::invalid_argument("NetPlugin: " + why);
 }
 
 NetPlugin::~NetPlugin() = default;
+
+transport::ConnectionOptions NetPlugin::connection_options(int sockets) const {
+  transport::ConnectionOptions options;
+  options.sockets = sockets;
+  options.helper_threads = std::min(options_.helper_threads, sockets);
+  return options;
+}
 
 Result NetPlugin::properties(int dev, abi::Properties_v11* props) const {
   if (!props) return invalid("getProperties", "null properties");
@@ -153,7 +166,8 @@ Result NetPlugin::listen(uint64_t comm_id, int dev, void* handle, void** listen_
   auto object = std::make_unique<ListenObject>();
   object->dev = dev;
   try {
-    object->listener = transport::listen(address, transport::Identity{comm_id, transport::kUnknownRank});
+    object->listener = transport::listen(address, transport::Identity{comm_id, transport::kUnknownRank},
+                                         connection_options(options_.sockets_per_connection));
   } catch (const transport::TransportError& e) {
     LGRECO_WARN("NET", "listen on %s (%s): %s", options_.devices[dev].name.c_str(), address.str().c_str(), e.what());
     return nccl::kSystemError;
@@ -190,7 +204,9 @@ Result NetPlugin::connect(uint64_t comm_id, int dev, void* handle, void** send_c
     }
     auto created = std::make_unique<PendingConnectEntry>();
     try {
+      // The listener decides the socket count; this side's threads cannot exceed it.
       created->pending = transport::connect(listen_handle, transport::Identity{comm_id, transport::kUnknownRank},
+                                            connection_options(listen_handle.socket_count),
                                             options_.handshake_timeout);
     } catch (const transport::TransportError& e) {
       LGRECO_WARN("NET", "connect to %s: %s", transport::handle_address(listen_handle).c_str(), e.what());
@@ -233,39 +249,63 @@ Result NetPlugin::accept(void* listen_comm, void** recv_comm) {
   *recv_comm = nullptr;
   ListenObject* listen = checked<ListenObject>(listen_comm, kListenMagic);
   if (!listen) return invalid("accept", "not an lgreco listen comm (closed, or another plugin's)");
-  // A failed handshake starts the next accept at once; the bound keeps one call short
-  // when a flood of bad connections is waiting.
-  for (int attempt = 0; attempt < 64; ++attempt) {
-    if (!listen->pending) listen->pending = listen->listener->accept(options_.handshake_timeout);
-    const Progress progress = listen->pending->step();
-    if (progress == Progress::kPending) return nccl::kSuccess;
-    if (progress == Progress::kDone) {
-      auto object = std::make_unique<RecvObject>();
-      object->magic = kRecvMagic;
-      object->comm = listen->pending->take();
-      listen->pending.reset();
-      count_traffic(object.get(), options_.telemetry, Direction::kRecv, options_.devices[listen->dev].name);
-      LGRECO_INFO("NET", "accepted %s on %s", object->comm->peer_name().c_str(),
-                  options_.devices[listen->dev].name.c_str());
-      *recv_comm = object.release();
-      return nccl::kSuccess;
+  // Each call steps every accept in progress; a failed handshake makes room for the next
+  // at once. The bound keeps one call short when a flood of bad connections is waiting.
+  std::vector<std::unique_ptr<transport::PendingAccept>>& pending = listen->pending;
+  for (int round = 0; round < 64; ++round) {
+    const bool one_waits = std::any_of(pending.begin(), pending.end(), [](const auto& p) {
+      return p->stage() == transport::PendingAccept::Stage::kWaitingForConnection;
+    });
+    if (!one_waits && pending.size() < kMaxAcceptsInProgress) {
+      try {
+        pending.push_back(listen->listener->accept(connection_options(listen->listener->handle().socket_count),
+                                                   accept_handshake_timeout()));
+      } catch (const std::exception& e) {  // options the listener's handle cannot take
+        LGRECO_WARN("NET", "accept on %s: %s", listen->listener->address().str().c_str(), e.what());
+        return nccl::kInternalError;
+      }
     }
-    const int accept_errno = listen->pending->accept_error();
-    const std::string error = listen->pending->error();
-    listen->pending.reset();
-    if (accept_errno != 0) {  // this process's problem (EMFILE, ...): it would fail again
-      LGRECO_WARN("NET", "accept on %s: %s", listen->listener->address().str().c_str(), error.c_str());
-      return nccl::kSystemError;
+    bool refused_one = false;
+    for (size_t i = 0; i < pending.size(); ++i) {
+      transport::PendingAccept& accepting = *pending[i];
+      const Progress progress = accepting.step();
+      if (progress == Progress::kPending) continue;
+      if (progress == Progress::kDone) {
+        auto object = std::make_unique<RecvObject>();
+        object->magic = kRecvMagic;
+        object->comm = accepting.take();
+        pending.erase(pending.begin() + static_cast<std::ptrdiff_t>(i));
+        count_traffic(object.get(), options_.telemetry, Direction::kRecv, options_.devices[listen->dev].name);
+        LGRECO_INFO("NET", "accepted %s on %s", object->comm->peer_name().c_str(),
+                    options_.devices[listen->dev].name.c_str());
+        *recv_comm = object.release();
+        return nccl::kSuccess;
+      }
+      const int accept_errno = accepting.accept_error();
+      const std::string error = accepting.error();
+      pending.erase(pending.begin() + static_cast<std::ptrdiff_t>(i));
+      --i;
+      if (accept_errno != 0) {  // this process's problem (EMFILE, ...): it would fail again
+        LGRECO_WARN("NET", "accept on %s: %s", listen->listener->address().str().c_str(), error.c_str());
+        return nccl::kSystemError;
+      }
+      // Not our peer (a scanner, another job, a truncated or forged hello): refuse it and
+      // keep waiting for the one NCCL expects. Logged in full for the first few only.
+      refused_one = true;
+      ++listen->refused;
+      if (listen->refused <= 8)
+        LGRECO_WARN("NET", "accept on %s: refused a connection: %s; still waiting for the peer",
+                    listen->listener->address().str().c_str(), error.c_str());
+      else
+        LGRECO_INFO("NET", "accept on %s: refused connection %d: %s", listen->listener->address().str().c_str(),
+                    listen->refused, error.c_str());
     }
-    // Not our peer (a scanner, another job, a truncated or forged hello): refuse it and
-    // keep waiting for the one NCCL expects. Logged in full for the first few only.
-    ++listen->refused;
-    if (listen->refused <= 8)
-      LGRECO_WARN("NET", "accept on %s: refused a connection: %s; still waiting for the peer",
-                  listen->listener->address().str().c_str(), error.c_str());
-    else
-      LGRECO_INFO("NET", "accept on %s: refused connection %d: %s", listen->listener->address().str().c_str(),
-                  listen->refused, error.c_str());
+    // Go round again only when a new accept may find work: a waiting one took a connection
+    // (none waits now, and there is room) or a refusal made room.
+    const bool still_one_waits = std::any_of(pending.begin(), pending.end(), [](const auto& p) {
+      return p->stage() == transport::PendingAccept::Stage::kWaitingForConnection;
+    });
+    if (!refused_one && (still_one_waits || pending.size() >= kMaxAcceptsInProgress)) break;
   }
   return nccl::kSuccess;
 }
@@ -411,7 +451,7 @@ Result NetPlugin::close_listen(void* listen_comm) {
   ListenObject* object = checked<ListenObject>(listen_comm, kListenMagic);
   if (!object) return invalid("closeListen", "not an lgreco listen comm (closed twice?)");
   object->magic = kClosedMagic;
-  object->pending.reset();
+  object->pending.clear();
   delete object;
   return nccl::kSuccess;
 }

@@ -31,6 +31,7 @@
 // caller's mistake, ncclInternalError for lgreco's own.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <map>
@@ -64,9 +65,10 @@ class NetPlugin {
     // (from LGRECO_SOCKET_NTHREADS and LGRECO_NSOCKS_PERTHREAD).
     int sockets_per_connection = 1;
     int helper_threads = 0;
-    // How long a connect or an accepted connection's handshake may take. NCCL calls connect
-    // on the sender and accept on the receiver during the same setup phase, so the peer is
-    // there within seconds unless a rank died; LGRECO_TIMEOUT.
+    // How long a connect may take, from the TCP connect to the listener's reply. NCCL calls
+    // connect on the sender and accept on the receiver during the same setup phase, so the
+    // peer is there within seconds unless a rank died; LGRECO_TIMEOUT. An accepted
+    // connection's handshake gets at most kAcceptHandshakeTimeout of it.
     std::chrono::milliseconds handshake_timeout{std::chrono::seconds(300)};
     Registry* telemetry = nullptr;  // per-peer counters; may be null
   };
@@ -105,6 +107,20 @@ class NetPlugin {
 
  private:
   struct PendingConnectEntry;
+  // Accepts stepped side by side on one listen comm (see ListenObject).
+  static constexpr size_t kMaxAcceptsInProgress = 8;
+  // A genuine sender writes its hellos as soon as its TCP connects, so an accepted
+  // connection that has not completed the handshake within this is not the peer NCCL
+  // waits for; closing it frees its slot. Capped by Options::handshake_timeout.
+  static constexpr std::chrono::milliseconds kAcceptHandshakeTimeout{std::chrono::seconds(30)};
+
+  // This side's transport options for a connection of `sockets` sockets: the helper
+  // threads of Options, at most one per socket.
+  transport::ConnectionOptions connection_options(int sockets) const;
+  std::chrono::milliseconds accept_handshake_timeout() const {
+    return std::min(options_.handshake_timeout, kAcceptHandshakeTimeout);
+  }
+
   Options options_;
   mutable std::mutex mutex_;  // guards pending_connects_
   std::map<const void*, std::unique_ptr<PendingConnectEntry>> pending_connects_;

@@ -284,9 +284,9 @@ class RawClient {
     }
     return false;
   }
-  // A valid lgreco hello for socket `index` of the handle's connection; the listener's
-  // reply status (or -1 when none came).
-  int64_t handshake(const transport::ListenHandle& handle, uint16_t index, uint64_t connection_id) {
+  // A valid lgreco hello for socket `index` of the handle's connection. The listener
+  // replies on each socket once all of the connection's sockets have said hello.
+  bool send_hello(const transport::ListenHandle& handle, uint16_t index, uint64_t connection_id) {
     wire::Hello hello;
     hello.magic = wire::kHelloMagic;
     hello.version = transport::kProtocolVersion;
@@ -299,7 +299,10 @@ class RawClient {
     hello.connection_id = connection_id;  // the same on every socket of one connection
     uint8_t bytes[wire::kHelloBytes];
     wire::encode(hello, bytes);
-    if (!send_all(bytes, sizeof bytes)) return -1;
+    return send_all(bytes, sizeof bytes);
+  }
+  // The listener's reply status (or -1 when none came).
+  int64_t read_reply() {
     uint8_t reply_bytes[wire::kReplyBytes];
     if (!recv_all(reply_bytes, sizeof reply_bytes)) return -1;
     const wire::Reply reply = wire::decode_reply(reply_bytes);
@@ -374,7 +377,10 @@ void oversize_header(uint64_t size, size_t payload_bytes, int sockets = 1) {
   try {
     for (uint16_t i = 0; i < std::max<uint16_t>(handle->socket_count, 1); ++i) {
       connection.push_back(std::make_unique<RawClient>(*handle));
-      const int64_t status = connection.back()->handshake(*handle, i, connection_id);
+      BOOST_TEST_REQUIRE(connection.back()->send_hello(*handle, i, connection_id));
+    }
+    for (uint16_t i = 0; i < connection.size(); ++i) {
+      const int64_t status = connection[i]->read_reply();
       BOOST_TEST_REQUIRE(status == 0, "the listener answered a valid hello (socket "
                                           << i << " of " << handle->socket_count << ") with status " << status << " ("
                                           << (status >= 0 ? wire::reply_status_name(static_cast<uint32_t>(status))
