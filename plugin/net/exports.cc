@@ -9,46 +9,28 @@
 //   2. installs the collective shim (plugin/net/loader.h) on every call, so objects
 //      loaded since the last communicator are reached too; this also pins the library,
 //      because NCCL dlcloses a plugin that reports no devices;
-//   3. on the first call only, decides which devices to offer (LGRECO_NET): none for
-//      `off`, none where an RDMA device exists under `auto` (NCCL keeps its IB transport
-//      and compression still works through the shim), else the interfaces
-//      LGRECO_SOCKET_IFNAME selects.
+//   3. on the first call only, makes the process's plugin (plugin_setup.h), which decides
+//      which devices to offer (LGRECO_NET): none for `off`, none where an RDMA device
+//      exists under `auto` (NCCL keeps its IB transport and compression still works
+//      through the shim), else the interfaces LGRECO_SOCKET_IFNAME selects.
 // A configuration that cannot be used (an invalid LGRECO_* value, no interface) offers no
 // devices with a WARN: NCCL then uses its own transports, which is always safe.
 //
-// Only this file goes into liblgreco.so without the core archive (like entry_points.cc):
-// the unit tests drive NetPlugin directly.
-#include <cstring>
+// Only this file goes into liblgreco.so without the core archive (like entry_points.cc);
+// it holds no logic beyond argument conversion, so that the C++ runtime's inline symbols
+// (which keep default visibility) stay in the archive and out of the library's exports.
 #include <exception>
-#include <memory>
-#include <mutex>
-#include <string>
 
 #include "config/log.h"
-#include "config/params.h"
 #include "plugin/net/loader.h"
 #include "plugin/net/net_abi.h"
 #include "plugin/net/net_plugin.h"
-#include "plugin/net/nic.h"
-#include "plugin/net/telemetry.h"
+#include "plugin/net/plugin_setup.h"
 
 namespace lgreco::net {
 namespace {
 
 using abi::Result;
-
-// The process's plugin. Made at the first init and never destroyed: NCCL's proxy threads
-// may still call in while the process exits.
-struct PluginState {
-  std::once_flag once;
-  std::unique_ptr<NetPlugin> plugin;  // null: no devices offered
-  Registry telemetry;
-  std::unique_ptr<Exporter> exporter;
-};
-PluginState& state() {
-  static auto* the_state = new PluginState;
-  return *the_state;
-}
 
 // What v11's init hands back as its context: the communicator it was made for.
 struct Context {
@@ -59,76 +41,6 @@ struct Context {
 // Versions before 11 name no communicator: their connections carry id 0, and only the
 // listener's nonce ties a connection to its handle.
 constexpr uint64_t kNoCommId = 0;
-
-std::vector<Device> choose_devices(const config::Params& params) {
-  if (!params.valid()) {
-    LGRECO_WARN("NET", "lgreco offers NCCL no network devices: its configuration is invalid (see above); NCCL uses "
-                "its own transports");
-    return {};
-  }
-  if (params.net == "off") {
-    LGRECO_INFO("NET", "LGRECO_NET=off: lgreco offers NCCL no network devices (compression is still installed)");
-    return {};
-  }
-  const SystemView system = SystemView::from_process();
-  std::string rdma;
-  if (params.net == "auto" && has_rdma_device(system, &rdma)) {
-    LGRECO_INFO("NET", "RDMA devices found (%s): lgreco offers NCCL no network devices so that NCCL keeps its IB "
-                "transport (LGRECO_NET=socket to use lgreco's TCP transport anyway); compression works through "
-                "the shim either way", rdma.c_str());
-    return {};
-  }
-  std::string error;
-  const InterfaceFilter filter = parse_interface_filter(params.socket_ifname, &error);
-  if (!error.empty()) {
-    LGRECO_WARN("NET", "LGRECO_SOCKET_IFNAME=%s: %s; lgreco offers NCCL no network devices",
-                params.socket_ifname.c_str(), error.c_str());
-    return {};
-  }
-  std::vector<Device> devices;
-  for (const NetInterface& nic : find_interfaces(filter, system))
-    devices.push_back(Device{nic.name, nic.address, nic.pci_path, nic.speed_mbps, nic.guid});
-  if (devices.empty())
-    LGRECO_WARN("NET", "no network interface is up with an address%s%s; lgreco offers NCCL no network devices",
-                filter.empty() ? "" : " and matches LGRECO_SOCKET_IFNAME=", params.socket_ifname.c_str());
-  return devices;
-}
-
-void start_plugin() {
-  const config::Params& params = config::params();
-  PluginState& s = state();
-  std::vector<Device> devices = choose_devices(params);
-  if (devices.empty()) return;
-  NetPlugin::Options options;
-  options.devices = std::move(devices);
-  options.helper_threads = static_cast<int>(params.socket_nthreads);
-  options.sockets_per_connection =
-      static_cast<int>(params.socket_nthreads == 0 ? params.nsocks_perthread
-                                                   : params.socket_nthreads * params.nsocks_perthread);
-  options.handshake_timeout = std::chrono::seconds(params.timeout_seconds);
-  options.telemetry = &s.telemetry;
-  std::string list;
-  for (const Device& d : options.devices)
-    list += (list.empty() ? "" : ", ") + d.name + " (" + d.address.str() + ", " + std::to_string(d.speed_mbps) +
-            " Mbps" + (d.pci_path.empty() ? "" : ", " + d.pci_path) + ")";
-  LGRECO_INFO("NET", "lgreco's TCP transport offers NCCL %zu device%s: %s; %d socket%s and %d helper thread%s per "
-              "connection", options.devices.size(), options.devices.size() == 1 ? "" : "s", list.c_str(),
-              options.sockets_per_connection, options.sockets_per_connection == 1 ? "" : "s", options.helper_threads,
-              options.helper_threads == 1 ? "" : "s");
-  s.plugin = std::make_unique<NetPlugin>(std::move(options));
-  if (!params.telemetry_file.empty()) {
-    std::string path, error;
-    if (!config::expand_path_pattern(params.telemetry_file, "hp", -1, &path, &error)) {
-      LGRECO_WARN("NET", "LGRECO_TELEMETRY_FILE=%s: %s; no telemetry export", params.telemetry_file.c_str(),
-                  error.c_str());
-    } else {
-      s.exporter = std::make_unique<Exporter>(s.telemetry, path, std::chrono::seconds(params.telemetry_interval),
-                                              process_labels());
-      LGRECO_INFO("NET", "exporting per-peer telemetry to %s every %llu s", path.c_str(),
-                  static_cast<unsigned long long>(params.telemetry_interval));
-    }
-  }
-}
 
 // Nothing may unwind into NCCL's C code.
 template <typename Fn>
@@ -146,14 +58,13 @@ Result guarded(const char* call, Fn&& fn) noexcept {
 Result initialize(abi::Logger logger) {
   if (logger) log::set_nccl_logger(logger);
   install_shim();
-  PluginState& s = state();
-  std::call_once(s.once, start_plugin);
+  process_plugin();
   return nccl::kSuccess;
 }
 
 // The plugin, for calls that NCCL makes only after devices() reported some.
 NetPlugin* plugin(const char* call) {
-  NetPlugin* p = state().plugin.get();
+  NetPlugin* p = process_plugin().plugin.get();
   if (!p) LGRECO_WARN("NET", "%s: called although lgreco offered no devices", call);
   return p;
 }
@@ -166,7 +77,7 @@ uint64_t comm_id_of(void* ctx) {
 Result devices(int* ndev) {
   return guarded("devices", [&] {
     if (!ndev) return nccl::kInvalidArgument;
-    NetPlugin* p = state().plugin.get();
+    NetPlugin* p = process_plugin().plugin.get();
     *ndev = p ? p->device_count() : 0;
     return nccl::kSuccess;
   });

@@ -19,6 +19,7 @@ namespace {
 
 using test::contains;
 using test::count_of;
+using test::LogToFile;
 using test::read_text;
 
 
@@ -38,20 +39,6 @@ void fake_nccl_logger(int level, unsigned long flags, const char*, int, const ch
   g_nccl_lines.push_back({level, flags, text});
 }
 
-// Logs into a temp file for the test's duration; restores the defaults afterwards.
-struct LogToFile {
-  test::TempDir dir;
-  std::string path = dir.file("log.txt");
-  explicit LogToFile(log::Level level = log::Level::kInfo, uint32_t mask = ~0u) {
-    log::reset_for_testing();
-    log::configure(level, path, mask);
-  }
-  ~LogToFile() {
-    unsetenv("NCCL_DEBUG");
-    log::reset_for_testing();
-  }
-  std::string text() const { return read_text(path); }
-};
 
 }  // namespace
 

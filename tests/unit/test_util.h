@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "config/log.h"
 #include "kernels/dtype.h"
 
 namespace lgreco::test {
@@ -132,6 +133,21 @@ class TempDir {
 
  private:
   std::string path_;
+};
+
+// Logs into a temp file for the test's duration; restores the defaults afterwards.
+struct LogToFile {
+  TempDir dir;
+  std::string path = dir.file("log.txt");
+  explicit LogToFile(log::Level level = log::Level::kInfo, uint32_t mask = ~0u) {
+    log::reset_for_testing();
+    log::configure(level, path, mask);
+  }
+  ~LogToFile() {
+    unsetenv("NCCL_DEBUG");
+    log::reset_for_testing();
+  }
+  std::string text() const { return read_text(path); }
 };
 
 inline void write_bytes(const std::string& path, const void* data, size_t n) {
