@@ -228,12 +228,13 @@ $(PLUGIN_PROBE): tests/interpose/plugin_probe.cc plugin/net/net_abi.h
 	$(CXX) -std=c++20 -I. -O1 -Wall -o $@ $< -ldl
 
 # The multi-threaded parts, built again with ThreadSanitizer: the controller's solver
-# thread, the engine with the in-process and socket fabrics (ranks as threads), and the
-# transport's helper threads.
+# thread, the engine with the in-process and socket fabrics (ranks as threads), the
+# transport's helper threads, and the net plugin's objects and telemetry exporter.
 # No CUDA. No target_clones: their ifunc resolvers run before the sanitizer's runtime is up.
 TSAN_SRCS := tests/unit/main.cc tests/unit/controller_test.cc tests/unit/inproc_fabric_test.cc \
              tests/unit/engine_test.cc tests/unit/socket_fabric_test.cc tests/unit/shim_test.cc tests/unit/fake_nccl.cc \
-             tests/unit/transport_test.cc \
+             tests/unit/transport_test.cc tests/unit/telemetry_test.cc tests/unit/net_adapter_test.cc \
+             plugin/net/telemetry.cc plugin/net/net_plugin.cc \
              plugin/shim/shim.cc plugin/shim/nccl_fabric.cc plugin/shim/host_runtime.cc plugin/shim/nccl_api.cc \
              plugin/shim/nccl_locator.cc \
              $(wildcard controller/*.cc) $(wildcard plugin/collective/*.cc) $(wildcard plugin/transport/*.cc) \

@@ -83,8 +83,11 @@ void write_line(Level level, const char* subsystem, const char* message) {
   if (const int r = g_rank.load(std::memory_order_relaxed); r >= 0) snprintf(rank, sizeof rank, "%d", r);
   const NcclLogger nccl = g_nccl_logger.load(std::memory_order_acquire);
   if (nccl) nccl(nccl_level(level), nccl_flags(level, subsystem), "lgreco", 0, "LGRECO %s %s", subsystem, message);
-  if (nccl && !(level == Level::kWarn && !nccl_prints_warnings())) return;
+  const bool nccl_shows_it = nccl && !(level == Level::kWarn && !nccl_prints_warnings());
   std::lock_guard<std::mutex> lock(g_mutex);
+  // A file named by LGRECO_DEBUG_FILE gets every line: who set it reads it. stderr gets
+  // only what NCCL's logger would not print, so that nothing shows twice.
+  if (nccl_shows_it && !g_sink) return;
   FILE* out = g_sink ? g_sink : stderr;
   fprintf(out, "%s:%d:%ld [%s] LGRECO %s %s %s\n", host.c_str(), static_cast<int>(getpid()),
           static_cast<long>(syscall(SYS_gettid)), rank, level_name(level), subsystem, message);

@@ -15,8 +15,11 @@
 //   host:pid:tid [rank] LGRECO LEVEL SUBSYS message
 // with `[-]` until the shim learns the process's rank. A disabled level costs one relaxed
 // atomic load; arguments are not evaluated. When NCCL hands the library its logger (net
-// plugin init), lines go to NCCL's logger instead, and WARN lines also to lgreco's own
-// sink unless NCCL_DEBUG would print them, so that a warning is never lost.
+// plugin init), lines go to NCCL's logger, tagged with NCCL's subsystem (NET for NET,
+// INIT for INIT and CONFIG, COLL for the others: NCCL_DEBUG_SUBSYS must name COLL to show
+// the shim's INFO lines); a WARN carries NCCL_ALL and also goes to stderr unless
+// NCCL_DEBUG would print it, so that a warning is never lost; a file named by
+// LGRECO_DEBUG_FILE gets every line as well.
 #pragma once
 
 #include <atomic>

@@ -144,10 +144,13 @@ ShimInstall scan(Loader& l, const LoadCounts& counts) {
   ShimInstall result;
   result.rescanned = true;
   const void* vdso = reinterpret_cast<const void*>(getauxval(AT_SYSINFO_EHDR));
+  bool shared_nccl_loaded = false;
   const auto skip = [&](const LoadedObject& object) {
     if (object.contains(reinterpret_cast<const void*>(&install_shim))) return true;  // lgreco itself
     if (vdso && object.contains(vdso)) return true;
-    return object.defines("pncclAllReduce");  // a libnccl: its own calls stay its own
+    if (!object.defines("pncclAllReduce")) return false;
+    shared_nccl_loaded = true;  // a libnccl: its own calls stay its own
+    return true;
   };
   RebindReport report = rebind_imports(l.rebindings, skip);
   // Count this scan as a confirmation only if nothing was loaded while it ran.
@@ -178,11 +181,17 @@ ShimInstall scan(Loader& l, const LoadCounts& counts) {
     result.state = ShimState::kNoCallers;
     result.detail = "no loaded object imports ncclAllReduce (" + std::to_string(report.objects_scanned) +
                     " objects scanned)";
+    // Why, as far as this process shows: NCCL inside the program or a framework library
+    // (no shared libnccl: its calls never pass a GOT slot), or a shared libnccl that is
+    // called only through dlsym'd pointers.
     if (!l.ever_found_callers)
       LGRECO_WARN_ONCE("NET", "no-allreduce-importer",
-                       "no loaded object imports ncclAllReduce: NCCL is linked statically into the framework or "
-                       "called through dlsym, so the net plugin cannot install lgreco's compression; NCCL's calls "
-                       "run uncompressed (LD_PRELOAD=%s installs it where NCCL is a shared library)",
+                       "no loaded object imports ncclAllReduce (%s), so the net plugin cannot install lgreco's "
+                       "compression; NCCL's calls run uncompressed (LD_PRELOAD=%s installs it where NCCL is a "
+                       "shared library)",
+                       shared_nccl_loaded ? "a shared libnccl is loaded, but its callers reach it through dlsym"
+                                          : "no shared libnccl is loaded: NCCL is linked statically into the program "
+                                            "or a framework library",
                        l.library.c_str());
   }
   return result;

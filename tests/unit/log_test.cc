@@ -132,27 +132,52 @@ BOOST_AUTO_TEST_CASE(subsystem_masks_filter_info_but_never_warnings) {
 }
 
 BOOST_AUTO_TEST_CASE(nccl_logger_receives_lines_and_warnings_are_never_lost) {
-  LogToFile log;
+  // lgreco's sink is stderr, as without LGRECO_DEBUG_FILE; it is captured in a file.
+  test::TempDir dir;
+  const std::string stderr_path = dir.file("stderr.txt");
+  log::reset_for_testing();
+  log::configure(log::Level::kInfo, "", ~0u);
+  fflush(stderr);
+  const int saved_stderr = dup(STDERR_FILENO);
+  BOOST_TEST_REQUIRE(freopen(stderr_path.c_str(), "w", stderr) != nullptr);
   g_nccl_lines.clear();
   log::set_nccl_logger(fake_nccl_logger);
+  unsetenv("NCCL_DEBUG");
   LGRECO_INFO("NET", "info via nccl");
   LGRECO_WARN("SHIM", "warn via nccl");
-  BOOST_TEST_REQUIRE(g_nccl_lines.size() == 2u);
+  setenv("NCCL_DEBUG", "warn", 1);
+  LGRECO_WARN("SHIM", "second warn");
+  log::set_nccl_logger(nullptr);
+  fflush(stderr);
+  dup2(saved_stderr, STDERR_FILENO);
+  close(saved_stderr);
+  unsetenv("NCCL_DEBUG");
+  log::reset_for_testing();
+  BOOST_TEST_REQUIRE(g_nccl_lines.size() == 3u);
   BOOST_TEST(g_nccl_lines[0].level == 3);          // NCCL_LOG_INFO
   BOOST_TEST(g_nccl_lines[0].flags == 0x10u);      // NCCL_NET
   BOOST_TEST(g_nccl_lines[0].text == "LGRECO NET info via nccl");
   BOOST_TEST(g_nccl_lines[1].level == 2);          // NCCL_LOG_WARN
   BOOST_TEST(g_nccl_lines[1].flags == ~0ul);        // NCCL_ALL: NCCL_DEBUG_SUBSYS never hides a WARN
-  // NCCL_DEBUG unset: NCCL would print nothing, so the WARN also reaches lgreco's sink.
-  std::string text = log.text();
-  BOOST_TEST(!contains(text, "info via nccl"));
-  BOOST_TEST(contains(text, "warn via nccl"));
-  setenv("NCCL_DEBUG", "warn", 1);
-  LGRECO_WARN("SHIM", "second warn");
-  text = log.text();
-  BOOST_TEST(!contains(text, "second warn"));
-  BOOST_TEST(g_nccl_lines.size() == 3u);
+  const std::string text = read_text(stderr_path);
+  BOOST_TEST(!contains(text, "info via nccl"), text);  // NCCL shows it (or was told not to)
+  BOOST_TEST(contains(text, "warn via nccl"), text);   // NCCL_DEBUG unset: NCCL would print nothing
+  BOOST_TEST(!contains(text, "second warn"), text);    // NCCL_DEBUG=WARN prints it
+}
+
+BOOST_AUTO_TEST_CASE(a_debug_file_gets_every_line_beside_nccls_logger) {
+  LogToFile log;
+  g_nccl_lines.clear();
+  log::set_nccl_logger(fake_nccl_logger);
+  setenv("NCCL_DEBUG", "info", 1);
+  LGRECO_INFO("SHIM", "info to both");
+  LGRECO_WARN("NET", "warn to both");
   log::set_nccl_logger(nullptr);
+  BOOST_TEST(g_nccl_lines.size() == 2u);
+  BOOST_TEST(g_nccl_lines[0].flags == 0x2u);  // NCCL_COLL
+  const std::string text = log.text();
+  BOOST_TEST(contains(text, "LGRECO INFO SHIM info to both"), text);
+  BOOST_TEST(contains(text, "LGRECO WARN NET warn to both"), text);
 }
 
 BOOST_AUTO_TEST_CASE(an_invalid_configuration_warns_once_at_load) {

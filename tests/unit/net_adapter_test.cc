@@ -3,6 +3,11 @@
 // comm, regMr, isend/irecv retried while they return no request, test polled. The
 // exported tables and the dlopen path are exercised by the net_plugin suite (harness
 // processes); this suite checks the adapter's own logic.
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <boost/test/data/monomorphic.hpp>
+#include <boost/test/data/test_case.hpp>
 #include <boost/test/unit_test.hpp>
 
 #include <algorithm>
@@ -21,9 +26,11 @@ namespace {
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
 
-NetPlugin::Options loopback_options(Registry* telemetry = nullptr) {
+NetPlugin::Options loopback_options(Registry* telemetry = nullptr, int sockets = 1, int helper_threads = 0) {
   NetPlugin::Options options;
   options.devices.push_back(Device{"lo", transport::SocketAddress::resolve("127.0.0.1", 0), "", 10000, 7});
+  options.sockets_per_connection = sockets;
+  options.helper_threads = helper_threads;
   options.handshake_timeout = 5s;
   options.telemetry = telemetry;
   return options;
@@ -107,17 +114,23 @@ BOOST_AUTO_TEST_CASE(properties_say_what_the_transport_does) {
   BOOST_CHECK_EQUAL(plugin.properties(-1, &props), nccl::kInvalidArgument);
 }
 
-BOOST_AUTO_TEST_CASE(messages_of_many_sizes_arrive_intact) {
-  NetPlugin plugin(loopback_options());
+// With one socket moved by test(), and with 4 sockets moved by 2 helper threads.
+BOOST_DATA_TEST_CASE(messages_of_many_sizes_arrive_intact, boost::unit_test::data::make({1, 4}), sockets) {
+  NetPlugin plugin(loopback_options(nullptr, sockets, sockets / 2));
   Pair pair;
   connect_pair(plugin, pair);
+  // The listen handle carries the socket count to the connecting side.
+  transport::ListenHandle handle;
+  std::memcpy(&handle, pair.handle, sizeof handle);
+  BOOST_CHECK_EQUAL(handle.socket_count, sockets);
   void* send_mr = nullptr;
   void* recv_mr = nullptr;
   BOOST_REQUIRE_EQUAL(plugin.reg_mr(pair.send_comm, pair.handle, 1, abi::kPtrHost, &send_mr), nccl::kSuccess);
   BOOST_REQUIRE_EQUAL(plugin.reg_mr(pair.recv_comm, pair.handle, 1, abi::kPtrHost, &recv_mr), nccl::kSuccess);
   BOOST_CHECK(send_mr != nullptr);
   std::mt19937_64 rng(std::random_device{}());
-  for (size_t size : {size_t{0}, size_t{1}, size_t{7}, size_t{4096}, size_t{65537}, size_t{3} << 20}) {
+  for (size_t size : {size_t{0}, size_t{1}, size_t{7}, size_t{4096}, size_t{65537}, size_t{3} << 20, size_t{1},
+                      size_t{(3 << 20) + 5}}) {
     const std::vector<unsigned char> data = random_bytes(size, rng);
     std::vector<unsigned char> received(size + 64, 0xEE);  // poisoned, larger than the message
     const int tag = static_cast<int>(rng() % 1000);
@@ -290,6 +303,42 @@ BOOST_AUTO_TEST_CASE(a_connection_from_another_communicator_is_refused_and_accep
     BOOST_REQUIRE_EQUAL(plugin.accept(pair.listen_comm, &pair.recv_comm), nccl::kSuccess);
     if (!pair.send_comm) BOOST_REQUIRE_EQUAL(plugin.connect(42, 0, pair.handle, &pair.send_comm), nccl::kSuccess);
   }
+  close_pair(plugin, pair);
+}
+
+// A peer that opens a TCP connection to the listener and then says nothing (a stuck
+// process, a port scanner) must not hold up the genuine sender behind it: accept works on
+// the next connection beside the silent one, long before that one's handshake times out.
+BOOST_AUTO_TEST_CASE(a_silent_connection_does_not_delay_the_genuine_sender) {
+  NetPlugin::Options options = loopback_options();
+  options.handshake_timeout = 60s;
+  NetPlugin plugin(options);
+  Pair pair;
+  BOOST_REQUIRE_EQUAL(plugin.listen(42, 0, pair.handle, &pair.listen_comm), nccl::kSuccess);
+  transport::ListenHandle handle;
+  std::memcpy(&handle, pair.handle, sizeof handle);
+  const auto address = transport::SocketAddress::from_bytes(handle.address, handle.address_length);
+  BOOST_REQUIRE(address.has_value());
+  std::vector<int> silent;
+  for (int i = 0; i < 3; ++i) {
+    const int fd = ::socket(address->family(), SOCK_STREAM | SOCK_CLOEXEC, 0);
+    BOOST_REQUIRE(fd >= 0);
+    BOOST_REQUIRE_EQUAL(::connect(fd, address->get(), address->length()), 0);
+    silent.push_back(fd);
+    // accept takes the silent connection before the sender exists.
+    BOOST_REQUIRE_EQUAL(plugin.accept(pair.listen_comm, &pair.recv_comm), nccl::kSuccess);
+    BOOST_REQUIRE(pair.recv_comm == nullptr);
+  }
+  const auto start = Clock::now();
+  const auto deadline = start + 10s;
+  while ((!pair.send_comm || !pair.recv_comm) && Clock::now() < deadline) {
+    if (!pair.send_comm) BOOST_REQUIRE_EQUAL(plugin.connect(42, 0, pair.handle, &pair.send_comm), nccl::kSuccess);
+    if (!pair.recv_comm) BOOST_REQUIRE_EQUAL(plugin.accept(pair.listen_comm, &pair.recv_comm), nccl::kSuccess);
+  }
+  BOOST_REQUIRE_MESSAGE(pair.send_comm && pair.recv_comm, "the genuine sender was not accepted within 10 s");
+  BOOST_TEST_MESSAGE("accepted behind 3 silent connections in "
+                     << std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start).count() << " ms");
+  for (int fd : silent) ::close(fd);
   close_pair(plugin, pair);
 }
 
