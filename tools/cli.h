@@ -65,6 +65,30 @@ inline uint32_t parse_u32(std::string_view option, const std::string& text) {
   return static_cast<uint32_t>(v);
 }
 
+// An int in [min, max].
+inline int parse_int(std::string_view option, const std::string& text, int min, int max) {
+  const uint64_t v = parse_u64(option, text);
+  if (v < static_cast<uint64_t>(min) || v > static_cast<uint64_t>(max))
+    throw UsageError(std::string(option) + " must be between " + std::to_string(min) + " and " +
+                     std::to_string(max) + ", got " + text);
+  return static_cast<int>(v);
+}
+
+// A byte count with an optional K, M or G suffix (powers of 1024), at most `max_bytes`.
+inline uint64_t parse_size(std::string_view option, const std::string& text, uint64_t max_bytes) {
+  uint64_t scale = 1;
+  std::string digits = text;
+  if (!text.empty()) {
+    const char s = text.back();
+    scale = s == 'K' || s == 'k' ? 1ull << 10 : s == 'M' || s == 'm' ? 1ull << 20 : s == 'G' || s == 'g' ? 1ull << 30 : 1;
+    if (scale != 1) digits.pop_back();
+  }
+  const uint64_t v = parse_u64(option, digits);
+  if (v > max_bytes / scale || v * scale > max_bytes)
+    throw UsageError(std::string(option) + " is too large (at most " + std::to_string(max_bytes >> 30) + "G): " + text);
+  return v * scale;
+}
+
 // Everything left in an open stream; `name` is for the error message.
 inline std::vector<uint8_t> read_all(FILE* f, const std::string& name) {
   std::vector<uint8_t> data;

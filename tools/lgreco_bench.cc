@@ -149,25 +149,10 @@ struct Options {
 };
 
 uint64_t parse_size(const std::string& option, const std::string& text) {
-  uint64_t scale = 1;
-  std::string digits = text;
-  if (!text.empty()) {
-    const char s = text.back();
-    scale = s == 'K' || s == 'k' ? 1ull << 10 : s == 'M' || s == 'm' ? 1ull << 20 : s == 'G' || s == 'g' ? 1ull << 30 : 1;
-    if (scale != 1) digits.pop_back();
-  }
-  const uint64_t v = cli::parse_u64(option, digits);
-  if (v > (uint64_t{1} << 40) / scale) throw cli::UsageError(option + " is too large: " + text);
-  return v * scale;
+  return cli::parse_size(option, text, uint64_t{1} << 40);
 }
 
-int parse_int(const std::string& option, const std::string& text, int min, int max) {
-  const uint64_t v = cli::parse_u64(option, text);
-  if (v < static_cast<uint64_t>(min) || v > static_cast<uint64_t>(max))
-    throw cli::UsageError(option + " must be between " + std::to_string(min) + " and " + std::to_string(max) +
-                          ", got " + text);
-  return static_cast<int>(v);
-}
+using cli::parse_int;
 
 Options parse(int argc, char** argv) {
   Options o;
