@@ -104,7 +104,18 @@ Result invalid(const char* call, const char* what) {
 }  // namespace
 
 struct NetPlugin::PendingConnectEntry {
+  // What the connect was started for. NCCL passes the same handle buffer on every call of
+  // one connect, but frees it when it abandons the connect (an aborted communicator), and
+  // a later connect may get a buffer at the same address: only equal bytes continue.
+  transport::ListenHandle handle;
+  int dev = 0;
+  uint64_t comm_id = 0;
+  uint64_t started = 0;  // order of starting, to drop the oldest abandoned connects first
   std::unique_ptr<transport::PendingConnect> pending;
+
+  bool same_connect(const transport::ListenHandle& other, int other_dev, uint64_t other_comm_id) const {
+    return dev == other_dev && comm_id == other_comm_id && std::memcmp(&handle, &other, sizeof handle) == 0;
+  }
 };
 
 NetPlugin::NetPlugin(Options options) : options_(std::move(options)) {
@@ -143,7 +154,14 @@ Result NetPlugin::properties(int dev, abi::Properties_v11* props) const {
   props->port = 0;
   props->latency = 0;
   props->maxComms = 65536;
-  props->maxRecvs = transport::kMaxRecvs;
+  // One buffer per receive, as NCCL's own socket transport. With more, NCCL shares one
+  // connection among several local ranks' sends (PXN) and posts their steps as grouped
+  // receives; a sender may then run a step ahead of another, and over TCP its message
+  // would wait in front of the one the receiver needs (head-of-line blocking: a hang).
+  // NCCL's IB transport avoids that by letting the receiver clear each send; this
+  // transport has no such receiver-driven flow control yet. irecv still takes up to
+  // kMaxRecvs buffers.
+  props->maxRecvs = 1;
   props->netDeviceType = abi::kDeviceHost;
   props->netDeviceVersion = abi::kDeviceInvalidVersion;
   props->vProps.ndevs = 1;
@@ -187,22 +205,38 @@ Result NetPlugin::connect(uint64_t comm_id, int dev, void* handle, void** send_c
     LGRECO_WARN("NET", "connect: device %d does not exist (lgreco offers %d)", dev, device_count());
     return nccl::kInvalidArgument;
   }
-  PendingConnectEntry* entry = nullptr;
+  // The handle crossed NCCL's bootstrap from another process: check it before use.
+  transport::ListenHandle listen_handle;
+  std::memcpy(&listen_handle, handle, sizeof listen_handle);
+  // Shared: another thread's connect may drop an entry (as abandoned) while this one steps it.
+  std::shared_ptr<PendingConnectEntry> entry;
+  std::shared_ptr<PendingConnectEntry> abandoned;  // destroyed outside the lock
   {
     std::lock_guard<std::mutex> lock(mutex_);
     auto found = pending_connects_.find(handle);
-    if (found != pending_connects_.end()) entry = found->second.get();
+    if (found != pending_connects_.end()) {
+      if (found->second->same_connect(listen_handle, dev, comm_id)) {
+        entry = found->second;
+      } else {
+        abandoned = std::move(found->second);
+        pending_connects_.erase(found);
+      }
+    }
   }
+  if (abandoned)
+    LGRECO_INFO("NET", "connect: dropping an abandoned connect to %s (NCCL reused its handle buffer for another)",
+                transport::handle_address(abandoned->handle).c_str());
+  abandoned.reset();
   if (!entry) {
-    // The handle crossed NCCL's bootstrap from another process: check it before use.
-    transport::ListenHandle listen_handle;
-    std::memcpy(&listen_handle, handle, sizeof listen_handle);
     if (std::string why = transport::check_handle(listen_handle); !why.empty()) {
       LGRECO_WARN("NET", "connect: the handle NCCL passed is not a usable lgreco handle: %s (a peer with another "
                   "lgreco version or another net plugin?)", why.c_str());
       return nccl::kInvalidUsage;
     }
-    auto created = std::make_unique<PendingConnectEntry>();
+    auto created = std::make_shared<PendingConnectEntry>();
+    created->handle = listen_handle;
+    created->dev = dev;
+    created->comm_id = comm_id;
     try {
       // The listener decides the socket count; this side's threads cannot exceed it.
       created->pending = transport::connect(listen_handle, transport::Identity{comm_id, transport::kUnknownRank},
@@ -212,27 +246,36 @@ Result NetPlugin::connect(uint64_t comm_id, int dev, void* handle, void** send_c
       LGRECO_WARN("NET", "connect to %s: %s", transport::handle_address(listen_handle).c_str(), e.what());
       return nccl::kSystemError;
     }
-    entry = created.get();
+    entry = created;
     std::lock_guard<std::mutex> lock(mutex_);
+    created->started = next_connect_++;
     pending_connects_[handle] = std::move(created);
+    // Connects NCCL gave up on stay until their buffer is reused; bound how many.
+    while (pending_connects_.size() > kMaxPendingConnects) {
+      auto oldest = std::min_element(pending_connects_.begin(), pending_connects_.end(), [](const auto& a, const auto& b) {
+        return a.second->started < b.second->started;
+      });
+      abandoned = std::move(oldest->second);
+      pending_connects_.erase(oldest);
+    }
   }
+  abandoned.reset();
   // NCCL calls connect for one handle from one thread: stepping needs no lock.
   const Progress progress = entry->pending->step();
   if (progress == Progress::kPending) return nccl::kSuccess;
-  std::unique_ptr<PendingConnectEntry> finished;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     auto found = pending_connects_.find(handle);
-    finished = std::move(found->second);
-    pending_connects_.erase(found);
+    if (found != pending_connects_.end() && found->second == entry) pending_connects_.erase(found);
   }
   if (progress == Progress::kError) {
-    LGRECO_WARN("NET", "connect on %s: %s", options_.devices[dev].name.c_str(), finished->pending->error().c_str());
-    return nccl::kRemoteError;
+    LGRECO_WARN("NET", "connect on %s: %s", options_.devices[dev].name.c_str(), entry->pending->error().c_str());
+    // A host out of descriptors or ports fails every connect; a peer's failure is remote.
+    return entry->pending->local_error() != 0 ? nccl::kSystemError : nccl::kRemoteError;
   }
   auto object = std::make_unique<SendObject>();
   object->magic = kSendMagic;
-  object->comm = finished->pending->take();
+  object->comm = entry->pending->take();
   count_traffic(object.get(), options_.telemetry, Direction::kSend, options_.devices[dev].name);
   LGRECO_INFO("NET", "connected to %s over %s", object->comm->peer_name().c_str(), options_.devices[dev].name.c_str());
   *send_comm = object.release();

@@ -121,9 +121,14 @@ class NetPlugin {
     return std::min(options_.handshake_timeout, kAcceptHandshakeTimeout);
   }
 
+  // Connects started and not finished that are kept (see connect()); past this the oldest
+  // go: NCCL has far fewer in progress at once.
+  static constexpr size_t kMaxPendingConnects = 1024;
+
   Options options_;
-  mutable std::mutex mutex_;  // guards pending_connects_
-  std::map<const void*, std::unique_ptr<PendingConnectEntry>> pending_connects_;
+  mutable std::mutex mutex_;  // guards pending_connects_ and next_connect_
+  std::map<const void*, std::shared_ptr<PendingConnectEntry>> pending_connects_;
+  uint64_t next_connect_ = 0;
 };
 
 // The plugin's 128-byte handle: the transport's ListenHandle, then zeros.

@@ -937,7 +937,12 @@ std::unique_ptr<PendingConnect> connect(const ListenHandle& handle, const Identi
     int error = 0;
     link.fd = start_connect(address, &error);
     if (error != 0) {
-      pending->fail("cannot connect to " + pending->peer_name_ + ": " + errno_text(error) + " (is it still running?)");
+      const bool local = error == EMFILE || error == ENFILE || error == ENOBUFS || error == ENOMEM ||
+                         error == EADDRNOTAVAIL;
+      if (local) pending->local_error_ = error;
+      pending->fail("cannot connect to " + pending->peer_name_ + ": " + errno_text(error) +
+                    (local ? " (a problem of this host: out of file descriptors, memory or ephemeral ports)"
+                           : " (is it still running?)"));
       break;
     }
   }

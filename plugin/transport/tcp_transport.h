@@ -45,11 +45,12 @@
 // oldest posted request (in posting order) that has an unclaimed buffer with its tag,
 // and requests complete independently. A message whose tag matches no posted buffer is
 // not an error: its header is read and its payload stays in the socket until a receive
-// with that tag is posted (NCCL posts every receive eventually, and its sender never
-// needs a later message to be received first). Messages behind it on the connection wait
-// meanwhile: the payloads are one ordered byte stream, and buffering them instead would
-// take unbounded memory. The socket fabric posts each exchange's receives before it
-// waits, so nothing of it waits on a later post.
+// with that tag is posted. Messages behind it on the connection wait meanwhile: the
+// payloads are one ordered byte stream, and buffering them instead would take unbounded
+// memory. That is safe only where the receiver never needs a later message first: NCCL
+// with one buffer per receive (the net plugin advertises maxRecvs=1; with grouped
+// receives NCCL's shared connections would break this, see net_plugin.cc), and the
+// socket fabric, which posts each exchange's receives before it waits.
 //
 // Every connected socket has TCP keepalive and TCP_USER_TIMEOUT set from
 // ConnectionOptions::user_timeout, so that a connection whose peer host vanished fails
@@ -96,7 +97,8 @@ inline constexpr size_t kHandleMaxBytes = 128;
 inline constexpr uint32_t kProtocolVersion = 1;
 // Requests one comm can have in flight (NCCL_NET_MAX_REQUESTS).
 inline constexpr int kMaxRequests = 32;
-// Buffers one grouped irecv may post (NCCL's maxRecvs); each message's tag picks its buffer.
+// Buffers one grouped irecv may post; each message's tag picks its buffer. (The net
+// plugin advertises maxRecvs=1 to NCCL, which then posts one.)
 inline constexpr int kMaxRecvs = 8;
 // A rank that is not known: NCCL does not tell a net plugin the ranks it connects.
 inline constexpr int kUnknownRank = -1;
@@ -334,6 +336,11 @@ class PendingConnect {
   Progress step();
   Stage stage() const { return stage_; }
   const std::string& error() const { return error_; }
+  // After kError: the errno when this host could not make a socket or connection
+  // (EMFILE, ENFILE, ENOBUFS, ENOMEM, EADDRNOTAVAIL: out of descriptors, memory or
+  // ephemeral ports), which no peer can fix; 0 when the failure was the peer's or the
+  // network's (refused, unreachable, timed out, closed).
+  int local_error() const { return local_error_; }
   // What to poll for before stepping again (-1 and 0 once done or failed): the socket
   // that is furthest behind, when the connection has several.
   int fd() const;
@@ -371,6 +378,7 @@ class PendingConnect {
   ListenHandle handle_{};
   std::string peer_name_;  // "rank 3 at 10.0.0.2:41234", for every message about this peer
   std::string error_;
+  int local_error_ = 0;
   std::unique_ptr<SendComm> comm_;
 };
 

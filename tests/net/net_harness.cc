@@ -96,6 +96,10 @@ struct Options {
   double max_call_ms = 3000;
   uint64_t expect_capacity = 4096;
   int expect_tag = 7;
+  // Buffers per grouped receive in the grouped and interleaved cases; 0: the plugin's
+  // maxRecvs. More than maxRecvs drives a capability the plugin has and does not
+  // advertise (NCCL would never post such a receive).
+  int group_buffers = 0;
   int verbose = 0;
 };
 Options g_opt;
@@ -737,10 +741,14 @@ void case_inflight(Side& s, int case_no) {
                 max_in_flight));
 }
 
-// Grouped receives: irecv with n = min(maxRecvs, 8) buffers and distinct tags, buffers
+int group_buffers(const Side& s) {
+  return std::clamp(g_opt.group_buffers > 0 ? g_opt.group_buffers : s.props.max_recvs, 1, 8);
+}
+
+// Grouped receives: irecv with n = min(maxRecvs or --group-buffers, 8) buffers and distinct tags, buffers
 // larger than the messages; the sender sends the n messages in a shuffled tag order.
 void case_grouped(Side& s, int case_no) {
-  const int n = std::clamp(s.props.max_recvs, 1, 8);
+  const int n = group_buffers(s);
   constexpr int kRounds = 12;
   constexpr size_t kMax = 64 * 1024;
   std::mt19937_64 rng(mix64(g_opt.seed ^ 0x6209ull));
@@ -800,9 +808,9 @@ void case_grouped(Side& s, int case_no) {
 // send back (request NULL) until the older group is complete: the sender then moves on to
 // the next tag, as NCCL's proxy would.
 void case_interleaved(Side& s, int case_no) {
-  const int n = std::clamp(s.props.max_recvs, 1, 8);
+  const int n = group_buffers(s);
   if (n < 2) {
-    s.notes += " skipped: maxRecvs=1";
+    s.notes += " skipped: one buffer per receive (maxRecvs=1 and no --group-buffers)";
     return;
   }
   constexpr int kGroups = 4;
@@ -1105,7 +1113,7 @@ int usage(const char* why) {
           "         [--api v11|v10|v9|v8] [--cases sizes,small,inflight,grouped,interleaved,large,killed-sender,"
           "expect-error]\n"
           "         [--dev N] [--timeout-s S] [--case-timeout-s S] [--connect-timeout-s S] [--max-call-ms MS]\n"
-          "         [--expect-capacity BYTES] [--expect-tag T] [--verbose]\n",
+          "         [--expect-capacity BYTES] [--expect-tag T] [--group-buffers N] [--verbose]\n",
           why);
   return kExitUsage;
 }
@@ -1133,6 +1141,7 @@ int main(int argc, char** argv) {
       else if (a == "--max-call-ms") g_opt.max_call_ms = std::stod(value());
       else if (a == "--expect-capacity") g_opt.expect_capacity = std::stoull(value(), nullptr, 0);
       else if (a == "--expect-tag") g_opt.expect_tag = std::stoi(value());
+      else if (a == "--group-buffers") g_opt.group_buffers = std::stoi(value());
       else if (a == "--verbose") ++g_opt.verbose;
       else if (a == "--cases") {
         std::stringstream list(value());

@@ -104,7 +104,7 @@ BOOST_AUTO_TEST_CASE(properties_say_what_the_transport_does) {
   BOOST_CHECK_EQUAL(props.guid, 7u);
   BOOST_CHECK_EQUAL(props.ptrSupport, abi::kPtrHost);
   BOOST_CHECK_EQUAL(props.speed, 10000);
-  BOOST_CHECK_EQUAL(props.maxRecvs, transport::kMaxRecvs);
+  BOOST_CHECK_EQUAL(props.maxRecvs, 1);  // no grouped receives from NCCL: no head-of-line blocking
   BOOST_CHECK_EQUAL(props.netDeviceType, abi::kDeviceHost);
   BOOST_CHECK_EQUAL(props.vProps.ndevs, 1);
   BOOST_CHECK_EQUAL(props.vProps.devs[0], 0);
@@ -340,6 +340,50 @@ BOOST_AUTO_TEST_CASE(a_silent_connection_does_not_delay_the_genuine_sender) {
                      << std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start).count() << " ms");
   for (int fd : silent) ::close(fd);
   close_pair(plugin, pair);
+}
+
+// NCCL frees the handle buffer of a connect it abandons (an aborted communicator), and a
+// later connect may get a buffer at the same address with another listener's handle in
+// it: that connect must go to the new listener, not continue the abandoned one.
+BOOST_AUTO_TEST_CASE(a_reused_handle_buffer_starts_a_new_connect) {
+  NetPlugin plugin(loopback_options());
+  Pair old_pair, new_pair;
+  BOOST_REQUIRE_EQUAL(plugin.listen(42, 0, old_pair.handle, &old_pair.listen_comm), nccl::kSuccess);
+  BOOST_REQUIRE_EQUAL(plugin.listen(42, 0, new_pair.handle, &new_pair.listen_comm), nccl::kSuccess);
+  alignas(8) unsigned char buffer[abi::kHandleMaxBytes];
+  std::memcpy(buffer, old_pair.handle, sizeof buffer);
+  void* send_comm = nullptr;
+  BOOST_REQUIRE_EQUAL(plugin.connect(42, 0, buffer, &send_comm), nccl::kSuccess);  // never accepted: abandoned
+  BOOST_REQUIRE(send_comm == nullptr);
+  BOOST_REQUIRE_EQUAL(plugin.pending_connects(), 1u);
+  std::memcpy(buffer, new_pair.handle, sizeof buffer);  // NCCL's next connect, same address
+  const auto deadline = Clock::now() + 10s;
+  while ((!send_comm || !new_pair.recv_comm) && Clock::now() < deadline) {
+    if (!send_comm) BOOST_REQUIRE_EQUAL(plugin.connect(42, 0, buffer, &send_comm), nccl::kSuccess);
+    if (!new_pair.recv_comm) BOOST_REQUIRE_EQUAL(plugin.accept(new_pair.listen_comm, &new_pair.recv_comm), nccl::kSuccess);
+    // The abandoned connect's hello may still be accepted there (its sockets were closed
+    // after it went out): that comm is NCCL's to drop, as the listener is.
+    if (!old_pair.recv_comm) BOOST_REQUIRE_EQUAL(plugin.accept(old_pair.listen_comm, &old_pair.recv_comm), nccl::kSuccess);
+  }
+  BOOST_REQUIRE_MESSAGE(send_comm && new_pair.recv_comm, "the new connect did not reach its listener within 10 s");
+  BOOST_CHECK_EQUAL(plugin.pending_connects(), 0u);
+  // The send comm is connected to the new listener: a message arrives on its recv comm.
+  uint64_t out = 0x1234567890abcdefull, in = 0;
+  void* in_data[1] = {&in};
+  const size_t room[1] = {sizeof in};
+  const int tags[1] = {9};
+  void* recv_request = nullptr;
+  void* send_request = nullptr;
+  BOOST_REQUIRE_EQUAL(plugin.irecv(new_pair.recv_comm, 1, in_data, room, tags, &recv_request), nccl::kSuccess);
+  BOOST_REQUIRE_EQUAL(plugin.isend(send_comm, &out, sizeof out, 9, &send_request), nccl::kSuccess);
+  BOOST_REQUIRE(recv_request && send_request);
+  int sent = -1, got[1] = {-1};
+  wait_both(plugin, send_request, recv_request, &sent, got);
+  BOOST_CHECK_EQUAL(in, out);
+  new_pair.send_comm = send_comm;
+  close_pair(plugin, new_pair);
+  if (old_pair.recv_comm) BOOST_CHECK_EQUAL(plugin.close_recv(old_pair.recv_comm), nccl::kSuccess);
+  BOOST_CHECK_EQUAL(plugin.close_listen(old_pair.listen_comm), nccl::kSuccess);
 }
 
 BOOST_AUTO_TEST_CASE(a_connect_across_communicators_fails) {
