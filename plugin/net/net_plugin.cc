@@ -68,6 +68,13 @@ struct ListenObject {
   // opens a connection and then stays silent from delaying the one NCCL expects.
   std::vector<std::unique_ptr<transport::PendingAccept>> pending;
   int refused = 0;  // connections that failed their handshake
+
+  // Whether an accept in progress still waits for a connection (has taken none).
+  bool one_waits() const {
+    return std::any_of(pending.begin(), pending.end(), [](const auto& p) {
+      return p->stage() == transport::PendingAccept::Stage::kWaitingForConnection;
+    });
+  }
 };
 
 template <typename T>
@@ -296,10 +303,7 @@ Result NetPlugin::accept(void* listen_comm, void** recv_comm) {
   // at once. The bound keeps one call short when a flood of bad connections is waiting.
   std::vector<std::unique_ptr<transport::PendingAccept>>& pending = listen->pending;
   for (int round = 0; round < 64; ++round) {
-    const bool one_waits = std::any_of(pending.begin(), pending.end(), [](const auto& p) {
-      return p->stage() == transport::PendingAccept::Stage::kWaitingForConnection;
-    });
-    if (!one_waits && pending.size() < kMaxAcceptsInProgress) {
+    if (!listen->one_waits() && pending.size() < kMaxAcceptsInProgress) {
       try {
         pending.push_back(listen->listener->accept(connection_options(listen->listener->handle().socket_count),
                                                    accept_handshake_timeout()));
@@ -345,10 +349,7 @@ Result NetPlugin::accept(void* listen_comm, void** recv_comm) {
     }
     // Go round again only when a new accept may find work: a waiting one took a connection
     // (none waits now, and there is room) or a refusal made room.
-    const bool still_one_waits = std::any_of(pending.begin(), pending.end(), [](const auto& p) {
-      return p->stage() == transport::PendingAccept::Stage::kWaitingForConnection;
-    });
-    if (!refused_one && (still_one_waits || pending.size() >= kMaxAcceptsInProgress)) break;
+    if (!refused_one && (listen->one_waits() || pending.size() >= kMaxAcceptsInProgress)) break;
   }
   return nccl::kSuccess;
 }
