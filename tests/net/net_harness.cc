@@ -935,6 +935,27 @@ void case_large(Side& s, int case_no) {
   s.notes += format(" transfer_ms=%.0f MB/s=%.0f", transfer_ms, size / 1e3 / std::max(transfer_ms, 1e-3));
 }
 
+// Polls test() on a receive that must fail until it returns an error, which goes into
+// the notes with its time; fails when the receive completes (`why` an error was due) or
+// at the deadline.
+void wait_error(Side& s, void* request, const char* what, const char* why) {
+  const auto t0 = Clock::now();
+  for (;;) {
+    int done = 0;
+    int sizes[abi::kMaxRequests] = {};
+    const Result r = s.plugin->test(request, &done, sizes);
+    if (r != kOk) {
+      s.notes += format(" test_error=%s after_ms=%.0f", result_text(r).c_str(), ms_since(t0));
+      return;
+    }
+    if (done)
+      fail(format("test() reported %s done (%d bytes) although %s; an error was expected", what, sizes[0], why));
+    if (s.deadline.passed())
+      fail(format("test() returned no error for %s within %.0f ms although %s", what, ms_since(t0), why));
+    idle();
+  }
+}
+
 // The sender dies (SIGKILL) with a 512 MiB message in flight; the receiver's test() must
 // return an error, not hang and not report the message complete.
 void case_killed(Side& s, int case_no) {
@@ -963,22 +984,8 @@ void case_killed(Side& s, int case_no) {
   int tag = 0;
   void* mh = reg.mhandle;
   void* request = post_recv(s, 1, &data, &cap, &tag, &mh, "the 512 MiB message");
-  const auto t0 = Clock::now();
-  for (;;) {
-    int done = 0;
-    int sizes[abi::kMaxRequests] = {};
-    const Result r = s.plugin->test(request, &done, sizes);
-    if (r != kOk) {
-      s.notes += format(" test_error=%s after_ms=%.0f", result_text(r).c_str(), ms_since(t0));
-      return;  // what NCCL needs: an error it can report (it aborts the communicator)
-    }
-    if (done)
-      fail(format("test() reported the 512 MiB message done (%d bytes) although its sender was killed mid-transfer",
-                  sizes[0]));
-    if (s.deadline.passed())
-      fail(format("test() never returned an error within %.0f ms after the sender was killed", ms_since(t0)));
-    idle();
-  }
+  // What NCCL needs: an error it can report (it aborts the communicator).
+  wait_error(s, request, "the 512 MiB message", "its sender was killed mid-transfer");
 }
 
 // Receiver only: whatever connected must make this receive fail (the suite's raw client
@@ -994,21 +1001,9 @@ void case_expect_error(Side& s, int /*case_no*/) {
   int tag = g_opt.expect_tag;
   void* mh = reg.mhandle;
   void* request = post_recv(s, 1, &data, &cap, &tag, &mh, "the receive that must fail");
-  const auto t0 = Clock::now();
-  for (;;) {
-    int done = 0;
-    int sizes[abi::kMaxRequests] = {};
-    const Result r = s.plugin->test(request, &done, sizes);
-    if (r != kOk) {
-      s.notes += format(" test_error=%s after_ms=%.0f", result_text(r).c_str(), ms_since(t0));
-      const size_t past = first_unpoisoned(buffer.data + capacity, kGuard);
-      if (past != kGuard) fail(format("the failed receive wrote byte %zu past its %zu-byte buffer", past, capacity));
-      return;
-    }
-    if (done) fail(format("test() reported the receive done with %d bytes; an error was expected", sizes[0]));
-    if (s.deadline.passed()) fail(format("test() returned no error within %.0f ms", ms_since(t0)));
-    idle();
-  }
+  wait_error(s, request, "the receive", "its sender's header does not fit");
+  const size_t past = first_unpoisoned(buffer.data + capacity, kGuard);
+  if (past != kGuard) fail(format("the failed receive wrote byte %zu past its %zu-byte buffer", past, capacity));
 }
 
 struct CaseDef {
