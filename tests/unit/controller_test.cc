@@ -83,15 +83,6 @@ size_t thread_count() {
   return n;
 }
 
-// Waits for fn() to become true, for at most 10 s (never hangs the suite).
-template <typename Fn>
-bool eventually(Fn fn) {
-  for (int i = 0; i < 10000; ++i) {
-    if (fn()) return true;
-    std::this_thread::sleep_for(1ms);
-  }
-  return false;
-}
 
 BOOST_AUTO_TEST_SUITE(controller_thread)
 
@@ -196,7 +187,7 @@ BOOST_AUTO_TEST_CASE(no_wait_when_the_solve_finishes_first) {
   ErrorStats stats = c.new_stats();
   add_samples(stats, layers, rng);
   c.submit(1, stats);
-  BOOST_REQUIRE(eventually([&] { return c.counters().solves == 1; }));
+  BOOST_REQUIRE(test::eventually([&] { return c.counters().solves == 1; }, std::chrono::seconds(10)));
   BOOST_TEST(c.assignment_for_step(3)->epoch == 0u);
   BOOST_TEST(c.assignment_for_step(4)->epoch == 1u);
   BOOST_TEST(c.counters().waits == 0u);

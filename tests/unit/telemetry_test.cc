@@ -29,6 +29,7 @@ namespace fs = std::filesystem;
 using namespace std::chrono_literals;
 using test::contains;
 using test::count_of;
+using test::eventually;
 using transport::CommCounters;
 
 // A comm's counters as the transport keeps them: atomics any thread may read.
@@ -61,16 +62,6 @@ uint64_t total_payload(const std::vector<PeerTraffic>& traffic) {
   return sum;
 }
 
-// Calls `done` until it returns true, for at most `timeout`.
-template <typename Done>
-bool eventually(Done done, std::chrono::milliseconds timeout = 5000ms) {
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  while (std::chrono::steady_clock::now() < deadline) {
-    if (done()) return true;
-    std::this_thread::sleep_for(1ms);
-  }
-  return done();
-}
 
 // Checks a whole exposition-format text: every line is a HELP, a TYPE or a sample; each
 // metric's HELP and TYPE come once, before its samples; its samples are contiguous; label

@@ -30,21 +30,12 @@ namespace {
 
 using namespace std::chrono_literals;
 using test::contains;
+using test::eventually;
 
 constexpr uint64_t kCommId = 0x1234567890abcdefull;
 
 SocketAddress loopback() { return SocketAddress::resolve("127.0.0.1", 0); }
 
-// Calls `step` until it returns true, for at most `timeout`.
-template <typename Step>
-bool eventually(Step step, std::chrono::milliseconds timeout = 5000ms) {
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  while (std::chrono::steady_clock::now() < deadline) {
-    if (step()) return true;
-    std::this_thread::sleep_for(200us);
-  }
-  return false;
-}
 
 // Steps a pending connect or accept until it is no longer pending.
 template <typename Pending>
