@@ -6,6 +6,7 @@
 
 #include "kernels/quant.h"
 #include "kernels/quant_math.h"
+#include "kernels/topk.h"
 
 namespace lgreco {
 namespace {
@@ -76,6 +77,27 @@ class QuantCodec final : public Codec {
   QuantParams p_;
 };
 
+class TopkCodec final : public Codec {
+ public:
+  TopkCodec(const CodecSpec& spec, DType dtype) : Codec(spec, dtype), p_(spec.topk_params()) { p_.validate(); }
+
+  uint64_t encoded_bytes(uint64_t count) const override { return topk::encoded_bytes(p_, count); }
+
+  // TopK draws no rounding noise: the key is unused.
+  EncodeReport encode(const NoiseKey&, const Slice& in, float* residual, std::span<uint8_t> out) const override {
+    return topk::encode(p_, dtype(), in, residual, out);
+  }
+  void decode(std::span<const uint8_t> in, uint64_t count, DType out_dtype, void* out) const override {
+    topk::decode(p_, in, count, out_dtype, out);
+  }
+  void decode_accumulate(std::span<const uint8_t> in, uint64_t count, float* acc) const override {
+    topk::decode_accumulate(p_, in, count, acc);
+  }
+
+ private:
+  TopkParams p_;
+};
+
 // Error of `none`: what rounding x + residual to the layer's type loses.
 double none_squared_error(DType dtype, const Slice& in, const float* residual, uint64_t* nonfinite) {
   double sum = 0.0;
@@ -99,6 +121,7 @@ std::unique_ptr<Codec> Codec::create(const CodecSpec& spec, DType dtype) {
   switch (spec.family()) {
     case CodecFamily::kNone: return std::make_unique<NoneCodec>(spec, dtype);
     case CodecFamily::kQuant: return std::make_unique<QuantCodec>(spec, dtype);
+    case CodecFamily::kTopk: return std::make_unique<TopkCodec>(spec, dtype);
   }
   throw CodecError("codec: unknown family in spec " + spec.str());
 }
@@ -108,28 +131,42 @@ CandidateReport measure_candidates(std::span<const CodecSpec> specs, DType dtype
   CandidateReport report;
   report.candidates.resize(specs.size());
   std::vector<QuantParams> quant;
-  std::vector<size_t> quant_index;
+  std::vector<TopkParams> topk;
+  std::vector<size_t> quant_index, topk_index;
   bool has_none = false;
   for (size_t i = 0; i < specs.size(); ++i) {
     report.candidates[i].bytes = Codec::create(specs[i], dtype)->encoded_bytes(input.count);
-    if (specs[i].family() == CodecFamily::kQuant) {
-      quant.push_back(specs[i].quant_params());
-      quant_index.push_back(i);
-    } else {
-      has_none = true;
+    switch (specs[i].family()) {
+      case CodecFamily::kQuant:
+        quant.push_back(specs[i].quant_params());
+        quant_index.push_back(i);
+        break;
+      case CodecFamily::kTopk:
+        topk.push_back(specs[i].topk_params());
+        topk_index.push_back(i);
+        break;
+      case CodecFamily::kNone: has_none = true; break;
     }
   }
+  // Each family reads the input once for all its candidates. The count reported is the
+  // first family's in this order: quantization counts buckets, the others values.
   if (!quant.empty()) {
     std::vector<double> errors(quant.size());
     report.nonfinite_buckets = quant::squared_errors(quant, dtype, input, residual, errors).nonfinite_buckets;
     for (size_t k = 0; k < quant.size(); ++k) report.candidates[quant_index[k]].squared_error = errors[k];
+  }
+  if (!topk.empty()) {
+    std::vector<double> errors(topk.size());
+    const uint64_t nonfinite = topk::squared_errors(topk, dtype, input, residual, errors);
+    if (quant.empty()) report.nonfinite_buckets = nonfinite;
+    for (size_t k = 0; k < topk.size(); ++k) report.candidates[topk_index[k]].squared_error = errors[k];
   }
   if (has_none) {
     uint64_t nonfinite = 0;
     const double error = none_squared_error(dtype, input, residual, &nonfinite);
     for (size_t i = 0; i < specs.size(); ++i)
       if (specs[i].family() == CodecFamily::kNone) report.candidates[i].squared_error = error;
-    if (quant.empty()) report.nonfinite_buckets = nonfinite;
+    if (quant.empty() && topk.empty()) report.nonfinite_buckets = nonfinite;
   }
   return report;
 }

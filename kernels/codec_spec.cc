@@ -86,7 +86,59 @@ QuantParams parse_quant(std::string_view spec, const std::vector<KeyValue>& opti
   return p;
 }
 
+// A decimal in (0, 1] with at most 9 digits after the point, as parts per billion:
+// "0.01", "1", "1.0" and "0.000000001" parse; ".5", "1.", "1e-3", "-0.1", "0" and
+// "0.0000000001" do not.
+bool parse_density(std::string_view text, uint32_t* ppb) {
+  const size_t dot = text.find('.');
+  const std::string_view whole = text.substr(0, dot);
+  const std::string_view fraction = dot == std::string_view::npos ? std::string_view{} : text.substr(dot + 1);
+  if (whole.empty() || (dot != std::string_view::npos && fraction.empty())) return false;
+  if (fraction.size() > 9 || whole.size() > 9) return false;
+  uint64_t w = 0, f = 0;
+  if (!parse_unsigned(whole, &w)) return false;
+  if (!fraction.empty() && !parse_unsigned(fraction, &f)) return false;
+  for (size_t i = fraction.size(); i < 9; ++i) f *= 10;
+  const uint64_t value = w * TopkParams::kPartsPerUnit + f;
+  if (value == 0 || value > TopkParams::kPartsPerUnit) return false;
+  *ppb = static_cast<uint32_t>(value);
+  return true;
+}
+
+TopkParams parse_topk(std::string_view spec, const std::vector<KeyValue>& options) {
+  TopkParams p;
+  for (const KeyValue& kv : options) {
+    if (kv.key == "density") {
+      if (!parse_density(kv.value, &p.density_ppb))
+        fail(spec, "density=" + std::string(kv.value) +
+                       " is invalid; expected a decimal in (0, 1] with at most 9 digits after the point, "
+                       "such as 0.01");
+    } else {
+      fail(spec, "unknown option " + quoted(kv.key) + " for topk; expected density");
+    }
+  }
+  return p;
+}
+
 }  // namespace
+
+std::string density_text(uint32_t ppb) {
+  if (ppb >= TopkParams::kPartsPerUnit) return "1";
+  std::string digits = std::to_string(ppb);
+  digits.insert(0, 9 - digits.size(), '0');
+  while (!digits.empty() && digits.back() == '0') digits.pop_back();
+  return "0." + digits;
+}
+
+void TopkParams::validate() const {
+  if (density_ppb == 0 || density_ppb > kPartsPerUnit)
+    throw CodecError("topk: density " + std::to_string(density_ppb) + " parts per billion is outside (0, 1]");
+}
+
+CodecSpec CodecSpec::topk(const TopkParams& p) {
+  p.validate();
+  return CodecSpec{p};
+}
 
 void QuantParams::validate() const {
   if (bits < kMinBits || bits > kMaxBits)
@@ -114,8 +166,9 @@ CodecSpec CodecSpec::parse(std::string_view text) {
     return none();
   }
   if (family == "quant") return CodecSpec{parse_quant(text, options)};
-  if (family.empty()) fail(text, "missing codec family; expected none or quant");
-  fail(text, "unknown codec family " + quoted(family) + "; expected none or quant");
+  if (family == "topk") return CodecSpec{parse_topk(text, options)};
+  if (family.empty()) fail(text, "missing codec family; expected none, quant or topk");
+  fail(text, "unknown codec family " + quoted(family) + "; expected none, quant or topk");
 }
 
 std::string CodecSpec::str() const {
@@ -126,6 +179,7 @@ std::string CodecSpec::str() const {
       return "quant:bits=" + std::to_string(p.bits) + ",bucket=" + std::to_string(p.bucket) +
              ",rounding=" + rounding_name(p.rounding);
     }
+    case CodecFamily::kTopk: return "topk:density=" + density_text(topk_params().density_ppb);
   }
   return "invalid";
 }
@@ -134,6 +188,7 @@ const char* family_name(CodecFamily f) {
   switch (f) {
     case CodecFamily::kNone: return "none";
     case CodecFamily::kQuant: return "quant";
+    case CodecFamily::kTopk: return "topk";
   }
   return "invalid";
 }

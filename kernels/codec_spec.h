@@ -3,10 +3,11 @@
 //
 //   none
 //   quant[:bits=B][,bucket=N][,rounding=stochastic|nearest]
+//   topk[:density=D]
 //
 // A family name, then optional comma-separated key=value pairs; missing keys take their
 // defaults. `CodecSpec::str()` prints the canonical form with every key, so a parsed spec
-// round-trips. Later families (topk, powersgd) add an alternative to `Params`.
+// round-trips. Each family is one alternative of `Params`.
 #pragma once
 
 #include <cstdint>
@@ -49,24 +50,46 @@ struct QuantParams {
   friend bool operator==(const QuantParams&, const QuantParams&) = default;
 };
 
-enum class CodecFamily : uint8_t { kNone = 0, kQuant = 1 };
+// TopK sparsification (docs/FORMAT.md): the k = ceil(density x count) values of largest
+// magnitude, with their indices. The density is a decimal with at most 9 digits after
+// the point, kept exactly as parts per billion, so that k is exact integer arithmetic
+// (the same on every rank, the host and the GPU) and the spec prints back as written.
+struct TopkParams {
+  static constexpr uint64_t kPartsPerUnit = 1'000'000'000;
+  uint32_t density_ppb = 10'000'000;  // 1%; in 1..kPartsPerUnit
+
+  // k of `count` values: ceil(count x density), at least 1 for a non-empty slice.
+  constexpr uint64_t k(uint64_t count) const {
+    return static_cast<uint64_t>((static_cast<unsigned __int128>(count) * density_ppb + kPartsPerUnit - 1) /
+                                 kPartsPerUnit);
+  }
+  constexpr double density() const { return static_cast<double>(density_ppb) / static_cast<double>(kPartsPerUnit); }
+  void validate() const;
+  friend bool operator==(const TopkParams&, const TopkParams&) = default;
+};
+
+enum class CodecFamily : uint8_t { kNone = 0, kQuant = 1, kTopk = 2 };
 
 struct CodecSpec {
-  using Params = std::variant<NoneParams, QuantParams>;  // index == CodecFamily
+  using Params = std::variant<NoneParams, QuantParams, TopkParams>;  // index == CodecFamily
   Params params;
 
   // Parses a spec string; throws CodecError quoting the spec and naming the bad part.
   static CodecSpec parse(std::string_view text);
   static CodecSpec none() { return CodecSpec{NoneParams{}}; }
   static CodecSpec quant(const QuantParams& p);  // validates
+  static CodecSpec topk(const TopkParams& p);    // validates
 
   CodecFamily family() const { return static_cast<CodecFamily>(params.index()); }
   const QuantParams& quant_params() const { return std::get<QuantParams>(params); }
+  const TopkParams& topk_params() const { return std::get<TopkParams>(params); }
   std::string str() const;  // canonical form
   friend bool operator==(const CodecSpec&, const CodecSpec&) = default;
 };
 
 const char* family_name(CodecFamily f);
 const char* rounding_name(Rounding r);
+// "0.01" for 10,000,000 parts per billion: the shortest decimal that parses back.
+std::string density_text(uint32_t density_ppb);
 
 }  // namespace lgreco

@@ -28,12 +28,15 @@ Codec specs (docs/FORMAT.md):
   quant[:bits=B,bucket=N,rounding=R]        max-min bucketed quantization;
                                             B in 1..8 (default 4), N a multiple of 32
                                             (default 1024), R stochastic (default) or nearest
+  topk[:density=D]                          the ceil(D x n) values of largest magnitude with
+                                            their indices; D a decimal in (0, 1] with at
+                                            most 9 digits after the point (default 0.01)
 
 encode   --seed, --rank, --step, --layer key the stochastic-rounding noise (default 0).
 stats    prints one line per candidate: spec, encoded bytes, L2 error ||x - C(x)||, and
          that error relative to ||x||. For stochastic rounding the error is the exact
          expectation over the rounding noise (sqrt of the expected squared error), so it
-         does not depend on --seed; for nearest rounding it is the actual error.
+         does not depend on --seed; for nearest rounding and topk it is the actual error.
 info     prints the header of an .lgc file.
 
 Exit status: 0 success, 1 error (unreadable or corrupt file, ...), 2 bad command line.

@@ -8,7 +8,7 @@ uses only the Python 3 standard library.
 Usage: lgc_decode.py [--as-element-type] IN.lgc OUT.f32
 
 Reads IN.lgc, performs every validation FORMAT.md asks of a reader, decodes
-the payload (codecs `none` and `quant`) and writes the values to OUT.f32 as
+the payload (codecs `none`, `quant` and `topk`) and writes the values to OUT.f32 as
 raw little-endian float32. Exit status 0 on success; on any problem one line
 `lgc_decode.py: error: <what is wrong>` goes to stderr and the exit status is 1.
 
@@ -194,8 +194,10 @@ def parse_spec(spec):
         raise LgcError("codec spec %r contains a space, control or non-ASCII "
                        "character" % spec)
     family, colon, rest = spec.partition(":")
-    if family not in ("none", "quant"):
+    if family not in ("none", "quant", "topk"):
         raise LgcError("codec spec %r: unknown family %r" % (spec, family))
+    if family == "topk":
+        return family, _parse_topk_options(spec, rest if colon else None)
     if not colon:
         return family, (dict(QUANT_DEFAULTS) if family == "quant" else {})
     options = {}
@@ -211,6 +213,45 @@ def parse_spec(spec):
             raise LgcError("codec spec %r: repeated key %r" % (spec, key))
         options[key] = value
     return family, _check_quant_options(spec, options)
+
+
+def _parse_density(spec, text):
+    """A density as an integer number of parts per billion: digits, optionally
+    a point and 1..9 more digits, in (0, 1]."""
+    whole, point, fraction = text.partition(".")
+    digits = lambda t: t != "" and all("0" <= ch <= "9" for ch in t)
+    if not digits(whole) or (point and not digits(fraction)) or len(fraction) > 9:
+        raise LgcError("codec spec %r: density=%s is not a decimal with at most "
+                       "9 digits after the point" % (spec, text))
+    ppb = int(whole) * 10 ** 9 + int((fraction or "0").ljust(9, "0"))
+    if not 0 < ppb <= 10 ** 9:
+        raise LgcError("codec spec %r: density=%s is not in (0, 1]" % (spec, text))
+    return ppb
+
+
+def _parse_topk_options(spec, rest):
+    opts = {"density_ppb": 10 ** 7}
+    if rest is None:
+        return opts
+    seen = set()
+    for option in rest.split(","):
+        key, eq, value = option.partition("=")
+        if not eq or not key or not value:
+            raise LgcError("codec spec %r: malformed option %r (expected "
+                           "key=value)" % (spec, option))
+        if key != "density":
+            raise LgcError("codec spec %r: unknown key %r for family 'topk'"
+                           % (spec, key))
+        if key in seen:
+            raise LgcError("codec spec %r: repeated key %r" % (spec, key))
+        seen.add(key)
+        opts["density_ppb"] = _parse_density(spec, value)
+    return opts
+
+
+def topk_k(n, ppb):
+    """k = ceil(n * d / 10^9), in integers."""
+    return -(-(n * ppb) // 10 ** 9)
 
 
 def _check_quant_options(spec, raw):
@@ -239,6 +280,8 @@ def payload_size(family, opts, n, elem_size):
     """The codec's payload size in bytes for n values."""
     if family == "none":
         return n * elem_size
+    if family == "topk":
+        return 8 * topk_k(n, opts["density_ppb"])
     bits, bucket = opts["bits"], opts["bucket"]
     return 8 * -(-n // bucket) + 4 * bits * -(-n // 32)
 
@@ -393,6 +436,22 @@ def decode_quant(payload, n, bits, bucket):
     return b"".join(pieces)
 
 
+def decode_topk(payload, n, ppb):
+    """Zeros except value j at index j; indices must increase and stay below n."""
+    k = topk_k(n, ppb)
+    indices = struct.unpack_from("<%dI" % k, payload, 0)
+    out = bytearray(4 * n)                          # +0.0 everywhere
+    previous = -1
+    for j, index in enumerate(indices):
+        if index >= n or index <= previous:
+            raise LgcError("topk payload: index %d at position %d is %s"
+                           % (index, j, "not below the count %d" % n
+                              if index >= n else "not above the one before"))
+        previous = index
+        out[4 * index:4 * index + 4] = payload[4 * k + 4 * j:4 * k + 4 * j + 4]
+    return bytes(out)
+
+
 def round_to_element_type(f32_data, elem_name):
     """Round float32 values to float16/bfloat16 and widen back (see
     --as-element-type)."""
@@ -409,6 +468,8 @@ def decode(data, as_element_type=False):
     elem = header["element_type"]
     if header["family"] == "none":
         return decode_none(payload, n, elem)
+    if header["family"] == "topk":
+        return decode_topk(payload, n, header["options"]["density_ppb"])
     out = decode_quant(payload, n, header["options"]["bits"],
                        header["options"]["bucket"])
     if as_element_type and elem != "float32":

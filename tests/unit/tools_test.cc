@@ -84,7 +84,8 @@ BOOST_AUTO_TEST_CASE(independent_python_decoder_agrees_bit_for_bit) {
   const PythonDecoder py;
   int files = 0;
   for (const char* spec : {"none", "quant:bits=1,bucket=32", "quant:bits=2,bucket=96,rounding=nearest", "quant:bits=3",
-                           "quant:bits=4", "quant:bits=5,bucket=64", "quant:bits=7", "quant:bits=8"})
+                           "quant:bits=4", "quant:bits=5,bucket=64", "quant:bits=7", "quant:bits=8", "topk",
+                           "topk:density=0.3", "topk:density=1"})
     for (uint64_t n : {0, 1, 33, 4097}) {
       std::vector<float> x = test::draw(Dist::kMixedScales, n, rng, 32);
       if (n > 100) x[70] = std::nanf("");  // a non-finite bucket
@@ -101,7 +102,7 @@ BOOST_AUTO_TEST_CASE(independent_python_decoder_agrees_bit_for_bit) {
       BOOST_TEST_REQUIRE((test::read_bytes(dir.file("ours.f32")) == test::read_bytes(dir.file("theirs.f32"))));
       ++files;
     }
-  BOOST_TEST(files == 32);
+  BOOST_TEST(files == 44);
   // It rejects damage too.
   auto bytes = test::read_bytes(dir.file("x.lgc"));
   bytes.back() ^= 1;
@@ -117,7 +118,7 @@ BOOST_AUTO_TEST_CASE(stats_prints_one_line_per_candidate) {
   const uint64_t n = 9000;
   const std::vector<float> x = test::draw(Dist::kHeavyTailed, n, rng);
   write_f32(dir.file("in.f32"), x);
-  const std::vector<std::string> specs = {"quant:bits=2", "quant:bits=4,rounding=nearest", "none"};
+  const std::vector<std::string> specs = {"quant:bits=2", "quant:bits=4,rounding=nearest", "none", "topk:density=0.05"};
   std::string cmd = codec_tool() + " stats";
   for (const auto& s : specs) cmd += " --codec " + s;
   const auto r = test::run_command(cmd + " --seed 3 " + dir.file("in.f32"));
@@ -180,7 +181,8 @@ BOOST_AUTO_TEST_CASE(bad_input_gives_a_clear_error_and_exit_status) {
       {"decode " + dir.file("x.lgc") + " /nonexistent-dir/o.f32", 1, "cannot create"},
       {"decode --codec quant " + dir.file("x.lgc") + " " + dir.file("o.f32"), 2, "takes the codec from the file"},
       {"stats " + dir.file("in.f32"), 2, "at least one --codec"},
-      {"stats --codec topk " + dir.file("in.f32"), 2, "unknown codec family \"topk\""},
+      {"stats --codec topk:density=2 " + dir.file("in.f32"), 2, "density=2 is invalid"},
+      {"stats --codec powersgd " + dir.file("in.f32"), 2, "unknown codec family \"powersgd\""},
       {"info " + dir.file("short.lgc"), 1, "truncated"},
   };
   for (const Case& c : cases) {
