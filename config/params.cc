@@ -109,9 +109,24 @@ std::string apply_candidates(Params& p, const std::string& text) {
   return "";
 }
 
-// The default candidate set: every quantization width from 2 to 8 bits (the paper's
-// set), with the default codec's bucket and rounding, plus the default itself.
+// The default candidate set, around the default codec of its family. Quantization:
+// every width from 2 to 8 bits (the paper's set), with the default codec's bucket and
+// rounding. TopK: the default density times 0.1, 0.25, 0.5, 1, 2 and 5 (0.1% to 5%
+// around 1%, as the paper's reference spans), those within (0, 1].
 std::vector<CodecSpec> auto_candidates(const CodecSpec& codec) {
+  if (codec.family() == CodecFamily::kTopk) {
+    std::vector<CodecSpec> out;
+    const uint64_t d = codec.topk_params().density_ppb;
+    // A product below one part per billion or above 1 is left out.
+    constexpr std::pair<uint64_t, uint64_t> kFactors[] = {{1, 10}, {1, 4}, {1, 2}, {1, 1}, {2, 1}, {5, 1}};
+    for (const auto& [num, den] : kFactors) {
+      const uint64_t ppb = d * num / den;
+      if (ppb == 0 || ppb > TopkParams::kPartsPerUnit) continue;
+      const CodecSpec c = CodecSpec::topk(TopkParams{static_cast<uint32_t>(ppb)});
+      if (std::find(out.begin(), out.end(), c) == out.end()) out.push_back(c);
+    }
+    return out;
+  }
   if (codec.family() != CodecFamily::kQuant) return {codec};
   std::vector<CodecSpec> out;
   QuantParams q = codec.quant_params();
@@ -162,8 +177,10 @@ const ParamInfo kParamTable[] = {
        }
      }},
     {"LGRECO_CANDIDATES", "auto", "`auto`, or codec specs separated by `;` (at most 32)",
-     "The codecs L-GreCo chooses from. `auto`: quantization at 2 to 8 bits with the default codec's bucket and "
-     "rounding. The default codec is always a candidate.",
+     "The codecs L-GreCo chooses from, of one family or several (each layer then gets the family and parameter "
+     "that cost least within the budget). `auto`: for a `quant` default, 2 to 8 bits with its bucket and "
+     "rounding; for a `topk` default, its density times 0.1, 0.25, 0.5, 1, 2 and 5 (up to 1). The default codec "
+     "is always a candidate.",
      apply_candidates},
     {"LGRECO_ALPHA", "1", "a number > 0 and <= 1000",
      "The error budget: total error <= alpha x the total error of the default codec on every layer.",

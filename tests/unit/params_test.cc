@@ -276,6 +276,23 @@ BOOST_AUTO_TEST_CASE(candidates_follow_the_default_codec) {
   FakeSources none;
   none.env("LGRECO_CODEC", "none");
   BOOST_TEST(none.load().candidates.size() == 1u);
+  // TopK: densities around the default, those within (0, 1].
+  FakeSources topk;
+  topk.env("LGRECO_CODEC", "topk:density=0.01");
+  std::vector<std::string> got;
+  for (const CodecSpec& c : topk.load().candidates) got.push_back(c.str());
+  const std::vector<std::string> want = {"topk:density=0.001", "topk:density=0.0025", "topk:density=0.005",
+                                         "topk:density=0.01",  "topk:density=0.02",   "topk:density=0.05"};
+  BOOST_TEST(got == want, boost::test_tools::per_element());
+  FakeSources dense;
+  dense.env("LGRECO_CODEC", "topk:density=0.5");
+  BOOST_TEST(dense.load().candidates.size() == 5u);  // 0.05, 0.125, 0.25, 0.5, 1; 2.5 is no density
+  // Several families in one list, the default joining them.
+  FakeSources mixed;
+  mixed.env("LGRECO_CANDIDATES", "quant:bits=2;quant:bits=8;topk:density=0.01;topk:density=0.05");
+  const config::Params m = mixed.load();
+  BOOST_TEST(m.valid(), all_errors(m));
+  BOOST_TEST(m.candidates.size() == 5u);
 }
 
 BOOST_AUTO_TEST_CASE(path_patterns_expand) {
