@@ -54,6 +54,13 @@ class Backend {
  public:
   virtual ~Backend() = default;
   virtual std::string name() const = 0;
+  // "" when this backend can encode, decode and measure `spec`, else why not (a family
+  // whose kernels this backend lacks). The engine asks before compressing, so that every
+  // rank passes through together instead of failing in the middle of a call.
+  virtual std::string unsupported(const CodecSpec& spec) const {
+    (void)spec;
+    return "";
+  }
 
   // Backend memory, zero-filled; freed when the owner goes. Throws std::bad_alloc.
   class Buffer {
@@ -117,6 +124,9 @@ class Backend {
     // factor by which this stage's error reaches the output (1/P^2 for a rank's own
     // encoding under ncclAvg, whose sum is divided by P afterwards).
     double weight = 1.0;
+    // Per candidate: 1 if measured here, 0 if its column is left alone (a family measured
+    // at another stage of the call: plugin/collective/engine.cc). Empty: every candidate.
+    std::span<const uint8_t> candidate_mask;
   };
   virtual void measure(const Plan& plan, std::span<const Segment> segments, ElementSpan input, const float* residual,
                        uint64_t residual_first, const Measure& m) = 0;

@@ -146,7 +146,9 @@ void CpuBackend::measure(const Plan&, std::span<const Segment> segments, Element
     const CandidateReport report =
         measure_candidates(m.candidates, input.dtype, Slice{element_ptr(input, s.offset), s.count, s.first_element}, r);
     if (report.nonfinite_buckets) m.nonfinite[s.layer] = 1;
-    for (size_t k = 0; k < c; ++k) m.squared[s.layer * c + k] += m.weight * report.candidates[k].squared_error;
+    for (size_t k = 0; k < c; ++k)
+      if (m.candidate_mask.empty() || m.candidate_mask[k])
+        m.squared[s.layer * c + k] += m.weight * report.candidates[k].squared_error;
   }
 }
 

@@ -13,7 +13,11 @@ namespace lgreco::collective {
 namespace {
 
 // Scratch buffers shared by all buckets of the engine, grown to the largest plan.
-enum Scratch : int { kSend = 0, kRecv, kAcc, kReencoded, kGathered, kStats, kScratchCount };
+// The gathered part of an sra call (TopK layers) has its own, so that nothing it stages
+// can alias the sra part's buffers.
+enum Scratch : int {
+  kSend = 0, kRecv, kAcc, kReencoded, kGathered, kStats, kPartSend, kPartGathered, kPartAcc, kScratchCount
+};
 
 // Below this many encoded bytes per call, auto prefers all-gather's single round.
 constexpr uint64_t kSmallEncoding = 32 * 1024;
@@ -165,7 +169,7 @@ struct Engine::Sample {
 // The marks around one call's exchanges and codec operations, read when the queue has
 // passed them.
 struct Engine::CallTiming {
-  static constexpr int kMaxIntervals = 4;
+  static constexpr int kMaxIntervals = 8;
   uint64_t exchange[kMaxIntervals][2] = {}, codec[kMaxIntervals][2] = {};
   int exchanges = 0, codecs = 0;
   bool in_window = false;       // feeds the time objective's cost model
@@ -230,10 +234,17 @@ struct Engine::BucketState {
   uint64_t owner_begin = 0, owner_end = 0;          // the elements owner_residual covers
   std::unique_ptr<Backend::Buffer> flags;           // one byte per layer: input not finite
   std::vector<CodecSpec> codecs;                    // per layer, under the current assignment
-  Plan plan;   // the current algorithm's plan (P partitions for sra, 1 for all-gather)
-  Plan whole;  // whole layers, one partition
+  // The current algorithm's plan: for all-gather every layer in one partition; for sra
+  // the reducible layers in P partitions, and the gathered ones (TopK) apart.
+  Plan plan;
+  Plan gathered;  // sra only: the layers whose codec is gathered, whole, one partition
+  Plan whole;     // every layer whole, one partition
   Algorithm algorithm = Algorithm::kAllGather;
-  std::optional<ExchangeSizes> sizes;  // of plan
+  std::optional<ExchangeSizes> sizes;           // of plan
+  std::vector<uint64_t> gathered_bytes;         // per rank, of gathered
+  uint64_t encoded_bytes = 0;                   // one encoding of the call: plan + gathered
+  // Adaptive layers by the exchange of their current codec (1 = measured in that group).
+  std::vector<uint8_t> measured_reduce, measured_gather;
   double quant_elements = 0;  // elements of layers whose codec quantizes
 };
 
@@ -251,7 +262,14 @@ Engine::Engine(EngineOptions options, std::vector<BucketLayout> buckets, Fabric&
       state->controller_of.push_back(-1);
       state->measured.push_back(0);
       if (!l.adaptive()) continue;
-      if (measured_candidates_.empty()) measured_candidates_ = l.candidates;
+      if (measured_candidates_.empty()) {
+        measured_candidates_ = l.candidates;
+        for (const CodecSpec& c : measured_candidates_) {
+          const bool gather = exchange_of(c) == Exchange::kGather;
+          gather_candidates_.push_back(gather ? 1 : 0);
+          reduce_candidates_.push_back(gather ? 0 : 1);
+        }
+      }
       if (l.candidates != measured_candidates_)
         throw std::invalid_argument("engine: adaptive layers must share one candidate list (layer " + l.name + ")");
       controller::Layer layer;
@@ -317,6 +335,15 @@ uint8_t* Engine::scratch(int which, uint64_t bytes) {
   return static_cast<uint8_t*>(buffer->data());
 }
 
+std::string Engine::unsupported_codec() const {
+  for (size_t b = 0; b < buckets_.size(); ++b)
+    for (const LayerLayout& l : buckets_[b].layers)
+      for (const CodecSpec& c : l.candidates)
+        if (const std::string why = backend_.unsupported(c); !why.empty())
+          return "layer " + l.name + " of bucket " + std::to_string(b) + " may use " + c.str() + ", but " + why;
+  return "";
+}
+
 // ---------------------------------------------------------------------------------------
 // Agreement
 
@@ -380,7 +407,7 @@ std::string Engine::agree(uint64_t assignment, bool local_ok, const std::string&
 
 void Engine::switch_to(std::shared_ptr<const controller::Assignment> assignment) {
   const int n = fabric_.size();
-  uint64_t send = 0, recv = 0, acc = 0, reencoded = 0, gathered = 0;
+  uint64_t send = 0, recv = 0, acc = 0, reencoded = 0, gathered = 0, part_send = 0, part_acc = 0;
   for (size_t b = 0; b < buckets_.size(); ++b) {
     BucketState& s = *state_of_[b];
     const BucketLayout& layout = buckets_[b];
@@ -394,18 +421,30 @@ void Engine::switch_to(std::shared_ptr<const controller::Assignment> assignment)
       s.codecs.push_back(layer.candidates[choice]);
       if (s.codecs.back().family() == CodecFamily::kQuant) s.quant_elements += static_cast<double>(layer.numel);
     }
+    std::vector<uint8_t> reduce_layers(layout.layers.size()), gather_layers(layout.layers.size());
+    s.measured_reduce.assign(layout.layers.size(), 0);
+    s.measured_gather.assign(layout.layers.size(), 0);
+    for (size_t l = 0; l < layout.layers.size(); ++l) {
+      const bool gather = exchange_of(s.codecs[l]) == Exchange::kGather;
+      gather_layers[l] = gather ? 1 : 0;
+      reduce_layers[l] = gather ? 0 : 1;
+      (gather ? s.measured_gather : s.measured_reduce)[l] = s.measured[l];
+    }
     s.whole = make_plan(layout, s.codecs, 1);
     s.algorithm = options_.algorithm;
     if (s.algorithm == Algorithm::kAuto)
       s.algorithm = n <= 2 || s.whole.total_bytes <= kSmallEncoding ? Algorithm::kAllGather
                                                                     : Algorithm::kScatterReduceAllGather;
+    s.gathered = Plan{};
     if (s.algorithm == Algorithm::kAllGather) {
       s.plan = s.whole;
       // A later return to sra must not find a residual many steps old.
       s.owner_residual.reset();
       s.owner_begin = s.owner_end = 0;
     } else {
-      s.plan = make_plan(layout, s.codecs, static_cast<uint32_t>(n));
+      s.plan = make_plan(layout, s.codecs, static_cast<uint32_t>(n), reduce_layers);
+      if (std::find(gather_layers.begin(), gather_layers.end(), 1) != gather_layers.end())
+        s.gathered = make_plan(layout, s.codecs, 1, gather_layers);
       const Partition& mine = s.plan.partitions[fabric_.rank()];
       // The owner's residual follows its partition: elements it keeps keep their residual.
       if (options_.error_feedback && (!s.owner_residual || s.owner_begin != mine.begin || s.owner_end != mine.end)) {
@@ -420,6 +459,14 @@ void Engine::switch_to(std::shared_ptr<const controller::Assignment> assignment)
       }
     }
     s.sizes.emplace(s.plan, s.algorithm, n, fabric_.rank(), layout.count);
+    s.gathered_bytes.assign(n, s.gathered.total_bytes);
+    s.encoded_bytes = s.plan.total_bytes + s.gathered.total_bytes;
+    if (!s.gathered.segments.empty()) {
+      const Segment& first = s.gathered.segments.front();
+      const Segment& last = s.gathered.segments.back();
+      part_send = std::max(part_send, s.gathered.total_bytes);
+      part_acc = std::max(part_acc, (last.offset + last.count - first.offset) * 4);
+    }
     send = std::max(send, s.sizes->send);
     recv = std::max(recv, s.sizes->recv);
     acc = std::max(acc, s.sizes->acc);
@@ -443,6 +490,11 @@ void Engine::switch_to(std::shared_ptr<const controller::Assignment> assignment)
   scratch(kAcc, acc);
   scratch(kReencoded, reencoded);
   scratch(kGathered, gathered);
+  if (part_send) {
+    scratch(kPartSend, part_send);
+    scratch(kPartGathered, part_send * n);
+    scratch(kPartAcc, part_acc);
+  }
   assignment_ = std::move(assignment);
 }
 
@@ -502,6 +554,7 @@ CallOutcome Engine::allreduce(const EngineCall& call) {
 // configurations (every local outcome included) before anything is sent.
 CallOutcome Engine::first_call(const EngineCall& call) {
   std::string problem = check_call(call);
+  if (problem.empty()) problem = unsupported_codec();
   if (problem.empty() && options_.mode != config::Mode::kOff && options_.valid) {
     try {
       switch_to(controller_ ? controller_->assignment_for_step(call.step) : nullptr);
@@ -561,18 +614,25 @@ CallOutcome Engine::run(const EngineCall& call) {
   CallTiming timing;
   timing.in_window = measuring;
   timing.quant_elements = b.quant_elements;
-  timing.encoded_bytes = static_cast<double>(b.plan.total_bytes);
+  timing.encoded_bytes = static_cast<double>(b.encoded_bytes);
 
-  if (b.algorithm == Algorithm::kAllGather)
-    all_gather(b, call, sample, timing);
-  else
-    reduce_scatter_allgather(b, call, sample, timing);
+  if (b.algorithm == Algorithm::kAllGather) {
+    // Every layer whole: every candidate is measured as this algorithm would send it.
+    if (sample) backend_.measure(b.plan, b.plan.segments, ElementSpan{const_cast<void*>(call.send), call.dtype, 0},
+                                 b.residual ? static_cast<float*>(b.residual->data()) : nullptr, 0,
+                                 first_stage_measure(*sample, call.op));
+    all_gather(b.plan, b, call, timing);
+  } else {
+    if (sample) measure_whole_layers(b, call, *sample);
+    if (!b.gathered.segments.empty()) all_gather(b.gathered, b, call, timing);
+    if (b.plan.total_bytes > 0) reduce_scatter_allgather(b, call, sample, timing);
+  }
 
   if (sample) finish_sample();
   timings_.push_back(timing);
   ++counters_.compressed_calls;
   counters_.uncompressed_bytes += call.count * dtype_size(call.dtype);
-  counters_.encoded_bytes += b.plan.total_bytes;
+  counters_.encoded_bytes += b.encoded_bytes;
   return CallOutcome{};
 }
 
@@ -622,8 +682,11 @@ Engine::Sample* Engine::begin_sample(BucketState& b, const EngineCall& call) {
   sample->bytes = squared_bytes + layers;
   auto* device = static_cast<uint8_t*>(sample->device->data());
   backend_.fill_zero(device, sample->bytes);
-  sample->measure = Backend::Measure{measured_candidates_, b.measured, reinterpret_cast<double*>(device),
-                                     device + squared_bytes};
+  sample->measure = Backend::Measure{};
+  sample->measure.candidates = measured_candidates_;
+  sample->measure.measured = b.measured;
+  sample->measure.squared = reinterpret_cast<double*>(device);
+  sample->measure.nonfinite = device + squared_bytes;
   samples_.push_back(std::move(sample));
   return samples_.back().get();
 }
@@ -745,21 +808,58 @@ Backend::Measure Engine::first_stage_measure(const Sample& sample, ReduceOp op) 
   return m;
 }
 
-void Engine::all_gather(BucketState& b, const EngineCall& call, Sample* sample, CallTiming& timing) {
-  const Plan& plan = b.plan;
-  const ExchangeSizes& sizes = *b.sizes;
+// Candidates measured on whole layers, as each rank encodes them for an all-gather, when
+// the bucket runs sra (the all-gather algorithm measures every candidate so in run()):
+//  - gathered candidates (TopK) of every adaptive layer: exactly what they would cost;
+//  - reducible candidates of a layer whose codec is gathered now: sra would quantize it
+//    twice, and without the owner's sum (that layer is not reduced) the second stage can
+//    only be estimated. Stage 1, a rank's error on the (P-1)/P of the layer it would send,
+//    is taken as (P-1)/P of its error on the whole layer. Stage 2, the owner's re-encoding
+//    of the reduced values, is taken as the error of one rank's contribution scaled to the
+//    reduction (the average spread like one contribution under ncclAvg, P times larger
+//    under ncclSum): per rank, weight 1/P under ncclAvg and P under ncclSum. Gradients of
+//    data-parallel ranks are correlated, so this errs toward more error, against a switch
+//    back to quantization that the budget could not afford. docs/ENGINE.md.
+// The reducible candidates of layers whose codec reduces are measured on the partitions
+// by reduce_scatter_allgather(), exactly.
+void Engine::measure_whole_layers(BucketState& b, const EngineCall& call, Sample& sample) {
+  const ElementSpan input{const_cast<void*>(call.send), call.dtype, 0};
+  const float* residual = b.residual ? static_cast<float*>(b.residual->data()) : nullptr;
+  const Backend::Measure first = first_stage_measure(sample, call.op);
+  const double n = fabric_.size();
+  if (gathered_candidates_any()) {
+    Backend::Measure m = first;
+    m.candidate_mask = gather_candidates_;
+    backend_.measure(b.whole, b.whole.segments, input, residual, 0, m);
+  }
+  if (std::find(b.measured_gather.begin(), b.measured_gather.end(), 1) != b.measured_gather.end()) {
+    Backend::Measure m = first;
+    m.measured = b.measured_gather;
+    m.candidate_mask = reduce_candidates_;
+    m.weight = first.weight * (n - 1) / n + (call.op == ReduceOp::kAvg ? 1.0 / n : n);
+    backend_.measure(b.whole, b.whole.segments, input, residual, 0, m);
+  }
+}
+
+// One all-gather of every segment of `plan` (one partition): each rank encodes the
+// segments with its residual, all-gathers every rank's encoding and sums the decoded
+// values in rank order, in float32, then narrows them into recv. For the all-gather
+// algorithm the plan is the whole call; under sra it is the gathered layers (TopK),
+// whose recv ranges the sra part does not touch.
+void Engine::all_gather(const Plan& plan, BucketState& b, const EngineCall& call, CallTiming& timing) {
+  const bool whole_call = &plan == &b.plan;
   const int n = fabric_.size();
   const ElementSpan input{const_cast<void*>(call.send), call.dtype, 0};
   float* residual = b.residual ? static_cast<float*>(b.residual->data()) : nullptr;
   uint8_t* flags = residual ? static_cast<uint8_t*>(b.flags->data()) : nullptr;
-  uint8_t* send = scratch(kSend, sizes.send);
-  uint8_t* gathered = scratch(kGathered, sizes.gathered);
-  auto* acc = reinterpret_cast<float*>(scratch(kAcc, sizes.acc));
+  const uint64_t first = plan.segments.front().offset;
+  const uint64_t elements = plan.segments.back().offset + plan.segments.back().count - first;
+  uint8_t* send = scratch(whole_call ? kSend : kPartSend, plan.total_bytes);
+  uint8_t* gathered = scratch(whole_call ? kGathered : kPartGathered, plan.total_bytes * n);
+  auto* acc = reinterpret_cast<float*>(scratch(whole_call ? kAcc : kPartAcc, elements * 4));
+  const std::vector<uint64_t>& gather_bytes = whole_call ? b.sizes->gather_bytes : b.gathered_bytes;
   const NoiseBase noise{options_.seed, static_cast<uint32_t>(fabric_.rank()), call.step, b.layer_base};
 
-  // Every rank's quantization error reaches the output: the candidates are measured on
-  // exactly what this rank encodes.
-  if (sample) backend_.measure(plan, plan.segments, input, residual, 0, first_stage_measure(*sample, call.op));
   timing.start_codec(backend_);
   if (flags) backend_.find_nonfinite(plan, plan.segments, input, flags);
   backend_.encode(plan, plan.segments, input, residual, 0, flags, noise, send, 0);
@@ -767,17 +867,26 @@ void Engine::all_gather(BucketState& b, const EngineCall& call, Sample* sample, 
 
   const uint64_t sent_before = fabric_.counters().bytes_sent;
   timing.start_exchange(backend_);
-  fabric_.all_gather_v(send, sizes.gather_bytes, gathered);
+  fabric_.all_gather_v(send, gather_bytes, gathered);
   timing.stop_exchange(backend_);
   counters_.wire_bytes_sent += fabric_.counters().bytes_sent - sent_before;
 
   timing.start_codec(backend_);
-  backend_.fill_zero(acc, call.count * 4);
-  const ElementSpan sum{acc, DType::kFloat32, 0};
+  backend_.fill_zero(acc, elements * 4);
+  const ElementSpan sum{acc, DType::kFloat32, first};
   for (int p = 0; p < n; ++p)  // rank order: every rank adds the same values in the same order
     backend_.decode_accumulate(plan, plan.segments, gathered, p * plan.total_bytes, sum);
-  if (call.op == ReduceOp::kAvg) backend_.divide(acc, call.count, static_cast<float>(n));
-  backend_.narrow(acc, call.count, ElementSpan{call.recv, call.dtype, 0});
+  // Divide and narrow each run of adjacent segments (one run for the whole call), so that
+  // elements of layers outside the plan keep what recv holds.
+  for (size_t i = 0; i < plan.segments.size();) {
+    const uint64_t begin = plan.segments[i].offset;
+    uint64_t end = begin + plan.segments[i].count;
+    for (++i; i < plan.segments.size() && plan.segments[i].offset == end; ++i) end += plan.segments[i].count;
+    float* run = acc + (begin - first);
+    if (call.op == ReduceOp::kAvg) backend_.divide(run, end - begin, static_cast<float>(n));
+    backend_.narrow(run, end - begin,
+                    ElementSpan{static_cast<uint8_t*>(call.recv) + begin * dtype_size(call.dtype), call.dtype, 0});
+  }
   timing.stop_codec(backend_);
 }
 
@@ -799,8 +908,14 @@ void Engine::reduce_scatter_allgather(BucketState& b, const EngineCall& call, Sa
   // owners' re-encoding error: the candidates are measured on both, so that the
   // controller's budget covers both quantizations (segments are whole buckets of every
   // candidate: plan.h, layer_granule).
+  // Only the reducible candidates: gathered ones are measured on whole layers
+  // (measure_whole_layers), which is how they would be sent. The plan holds only layers
+  // whose codec reduces.
+  const std::span<const uint8_t> reducible = gathered_candidates_any() ? std::span<const uint8_t>(reduce_candidates_)
+                                                                        : std::span<const uint8_t>();
   if (sample) {
-    const Backend::Measure first = first_stage_measure(*sample, call.op);
+    Backend::Measure first = first_stage_measure(*sample, call.op);
+    first.candidate_mask = reducible;
     for (int q = 0; q < n; ++q)
       if (q != me) backend_.measure(plan, plan.segments_of(plan.partitions[q]), input, residual, 0, first);
   }
@@ -836,7 +951,11 @@ void Engine::reduce_scatter_allgather(BucketState& b, const EngineCall& call, Sa
   if (call.op == ReduceOp::kAvg) backend_.divide(acc, mine.count(), static_cast<float>(n));
   float* owner_residual = b.owner_residual ? static_cast<float*>(b.owner_residual->data()) : nullptr;
   timing.stop_codec(backend_);
-  if (sample) backend_.measure(plan, own, sum, owner_residual, mine.begin, sample->measure);
+  if (sample) {
+    Backend::Measure second = sample->measure;
+    second.candidate_mask = reducible;
+    backend_.measure(plan, own, sum, owner_residual, mine.begin, second);
+  }
   // Stage 2: re-encode the sum with the owner's residual (its own noise stream).
   timing.start_codec(backend_);
   NoiseBase reencode = noise;

@@ -31,6 +31,7 @@
 // message; the engine is then broken and every later call returns kError too.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -173,7 +174,12 @@ class Engine {
   void resolve_timings(bool wait);  // marks the queue has passed, into counters and window_
   void submit_window();
   void reduce_scatter_allgather(BucketState& b, const EngineCall& call, Sample* sample, CallTiming& timing);
-  void all_gather(BucketState& b, const EngineCall& call, Sample* sample, CallTiming& timing);
+  void all_gather(const Plan& plan, BucketState& b, const EngineCall& call, CallTiming& timing);
+  void measure_whole_layers(BucketState& b, const EngineCall& call, Sample& sample);
+  std::string unsupported_codec() const;  // "" or the first codec the backend cannot run
+  bool gathered_candidates_any() const {
+    return std::find(gather_candidates_.begin(), gather_candidates_.end(), 1) != gather_candidates_.end();
+  }
   uint8_t* scratch(int which, uint64_t bytes);
   Backend::Measure first_stage_measure(const Sample& sample, ReduceOp op) const;
 
@@ -187,6 +193,8 @@ class Engine {
 
   std::vector<std::unique_ptr<BucketState>> state_of_;
   std::vector<CodecSpec> measured_candidates_;  // the candidate list of adaptive layers
+  // Per measured candidate: 1 if its codec is gathered (TopK) / reducible.
+  std::vector<uint8_t> gather_candidates_, reduce_candidates_;
   std::vector<std::string> controller_names_;
   std::unique_ptr<controller::Controller> controller_;
   std::shared_ptr<const controller::Assignment> assignment_;

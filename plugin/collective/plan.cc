@@ -6,11 +6,22 @@
 #include <string>
 
 #include "kernels/quant.h"
+#include "kernels/topk.h"
 
 namespace lgreco::collective {
 
+Exchange exchange_of(const CodecSpec& spec) {
+  return spec.family() == CodecFamily::kTopk ? Exchange::kGather : Exchange::kReduce;
+}
+
 uint64_t split_granule(const CodecSpec& spec) {
-  return spec.family() == CodecFamily::kQuant ? spec.quant_params().bucket : 1024;
+  switch (spec.family()) {
+    case CodecFamily::kQuant: return spec.quant_params().bucket;
+    // Never split (exchange_of): its candidates are measured on whole layers, so it puts
+    // no constraint on where another codec's partitions may cut.
+    case CodecFamily::kTopk: return 1;
+    default: return 1024;
+  }
 }
 
 uint64_t layer_granule(const LayerLayout& layer, const CodecSpec& assigned) {
@@ -23,6 +34,7 @@ uint64_t encoded_bytes(const CodecSpec& spec, DType dtype, uint64_t count) {
   switch (spec.family()) {
     case CodecFamily::kNone: return count * dtype_size(dtype);
     case CodecFamily::kQuant: return quant::encoded_bytes(spec.quant_params(), count);
+    case CodecFamily::kTopk: return topk::encoded_bytes(spec.topk_params(), count);
   }
   throw std::invalid_argument("plan: unknown codec family in " + spec.str());
 }
@@ -63,10 +75,15 @@ std::vector<uint64_t> partition_boundaries(const BucketLayout& bucket, std::span
 
 }  // namespace
 
-Plan make_plan(const BucketLayout& bucket, std::span<const CodecSpec> layer_codecs, uint32_t parts) {
+Plan make_plan(const BucketLayout& bucket, std::span<const CodecSpec> layer_codecs, uint32_t parts,
+               std::span<const uint8_t> included) {
   if (layer_codecs.size() != bucket.layers.size())
     throw std::invalid_argument("plan: " + std::to_string(layer_codecs.size()) + " codecs for " +
                                 std::to_string(bucket.layers.size()) + " layers");
+  if (!included.empty() && included.size() != bucket.layers.size())
+    throw std::invalid_argument("plan: " + std::to_string(included.size()) + " inclusion flags for " +
+                                std::to_string(bucket.layers.size()) + " layers");
+  auto in_plan = [&](size_t l) { return included.empty() || included[l] != 0; };
   if (parts == 0) throw std::invalid_argument("plan: no partitions");
   Plan plan;
   plan.dtype = bucket.dtype;
@@ -77,7 +94,7 @@ Plan make_plan(const BucketLayout& bucket, std::span<const CodecSpec> layer_code
     auto it = std::find(plan.codecs.begin(), plan.codecs.end(), layer_codecs[l]);
     if (it == plan.codecs.end()) it = plan.codecs.insert(plan.codecs.end(), layer_codecs[l]);
     codec_of[l] = static_cast<uint32_t>(it - plan.codecs.begin());
-    layer_bytes[l] = encoded_bytes(layer_codecs[l], bucket.dtype, bucket.layers[l].numel);
+    layer_bytes[l] = in_plan(l) ? encoded_bytes(layer_codecs[l], bucket.dtype, bucket.layers[l].numel) : 0;
     total += layer_bytes[l];
   }
 
@@ -91,6 +108,7 @@ Plan make_plan(const BucketLayout& bucket, std::span<const CodecSpec> layer_code
     while (layer < bucket.layers.size() && bucket.layers[layer].offset + bucket.layers[layer].numel <= part.begin)
       ++layer;
     for (size_t l = layer; l < bucket.layers.size() && bucket.layers[l].offset < part.end; ++l) {
+      if (!in_plan(l)) continue;
       const LayerLayout& ll = bucket.layers[l];
       Segment s;
       s.layer = static_cast<uint32_t>(l);

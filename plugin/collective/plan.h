@@ -62,9 +62,17 @@ struct Plan {
   std::vector<uint64_t> partition_bytes() const;
 };
 
+// How a codec's payloads combine across ranks. A reducible payload (none, quant) can be
+// decoded and summed by a partition's owner, who re-encodes the sum (sra). A gathered
+// one (topk: a sparse set that another rank's set does not line up with) travels whole
+// to every rank, which scatter-adds all of them; its layer is encoded whole, never split
+// between partitions.
+enum class Exchange : uint8_t { kReduce, kGather };
+Exchange exchange_of(const CodecSpec& spec);
+
 // Elements a partition boundary inside a layer must be a multiple of (from the layer's
 // first element): the codec's bucket for quantization, 1024 for `none` (keeps payloads
-// aligned and segments from being tiny).
+// aligned and segments from being tiny), 1 for a gathered codec (never split).
 uint64_t split_granule(const CodecSpec& spec);
 // The granule of a layer: the least common multiple of its assigned codec's and every
 // candidate's, so that a segment is whole buckets of every candidate too and the engine
@@ -76,7 +84,11 @@ uint64_t encoded_bytes(const CodecSpec& spec, DType dtype, uint64_t count);
 
 // The plan of `bucket` with codec layer_codecs[l] for layer l, cut into `partitions`
 // ranges (>= 1) of near-equal encoded bytes. Some partitions may be empty when the
-// bucket is small. Throws std::invalid_argument on a size mismatch.
-Plan make_plan(const BucketLayout& bucket, std::span<const CodecSpec> layer_codecs, uint32_t partitions);
+// bucket is small. With `included` (one byte per layer), only the layers marked 1 get
+// segments and bytes; the others are left out of the plan (another exchange carries
+// them) but still lie inside the partitions' element ranges. Throws
+// std::invalid_argument on a size mismatch.
+Plan make_plan(const BucketLayout& bucket, std::span<const CodecSpec> layer_codecs, uint32_t partitions,
+               std::span<const uint8_t> included = {});
 
 }  // namespace lgreco::collective

@@ -890,8 +890,20 @@ void CudaBackend::prepare_measure(const Plan& plan, std::span<const CodecSpec> c
   grow_scratch(need);
 }
 
+std::string CudaBackend::unsupported(const CodecSpec& spec) const {
+  switch (spec.family()) {
+    case CodecFamily::kNone:
+    case CodecFamily::kQuant: return "";
+    default: return std::string("the CUDA backend has no kernels for ") + family_name(spec.family()) + " yet";
+  }
+}
+
 void CudaBackend::measure(const Plan&, std::span<const Segment> segments, ElementSpan input, const float* residual,
                           uint64_t residual_first, const Measure& m) {
+  // The quantization statistics fill every candidate's column; a mask that leaves some
+  // out only comes with families this backend does not support (unsupported()).
+  for (uint8_t measured : m.candidate_mask)
+    if (!measured) throw std::logic_error("CudaBackend::measure: a candidate mask is not supported");
   quant_jobs_.clear();
   for (const Segment& s : segments) {
     if (s.count == 0 || !m.measured[s.layer]) continue;

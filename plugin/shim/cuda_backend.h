@@ -62,6 +62,8 @@ class CudaBackend final : public StreamBackend {
   CudaBackend& operator=(const CudaBackend&) = delete;
 
   std::string name() const override { return "cuda"; }
+  // none and quant; TopK has no CUDA kernels yet.
+  std::string unsupported(const CodecSpec& spec) const override;
   int device() const { return device_; }
   uint64_t memory_cap() const { return cap_; }
 

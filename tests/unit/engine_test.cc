@@ -97,7 +97,23 @@ Bytes reference(const BucketLayout& b, const std::vector<Bytes>& inputs, Algorit
       store_from_float(out.data(), dtype, i, op == ReduceOp::kAvg ? acc[i] / static_cast<float>(n) : acc[i]);
     return out;
   }
-  const Plan plan = make_plan(b, codecs, static_cast<uint32_t>(n));
+  // sra: gathered layers (TopK) travel whole to every rank, as in all-gather; the
+  // reducible ones are partitioned among owners.
+  std::vector<uint8_t> reduced(b.layers.size());
+  for (size_t l = 0; l < b.layers.size(); ++l) {
+    reduced[l] = exchange_of(codecs[l]) == Exchange::kReduce;
+    if (reduced[l]) continue;
+    const LayerLayout& layer = b.layers[l];
+    std::vector<float> acc(layer.numel, 0.0f);
+    for (int r = 0; r < n; ++r) {
+      const NoiseKey key{seed, static_cast<uint32_t>(r), step, layer_base + static_cast<uint32_t>(l)};
+      const Bytes enc = encode_with(codecs[l], dtype, key, inputs[r].data() + layer.offset * es, layer.numel, 0);
+      Codec::create(codecs[l], dtype)->decode_accumulate(enc, layer.numel, acc.data());
+    }
+    for (uint64_t i = 0; i < layer.numel; ++i)
+      store_from_float(out.data(), dtype, layer.offset + i, op == ReduceOp::kAvg ? acc[i] / static_cast<float>(n) : acc[i]);
+  }
+  const Plan plan = make_plan(b, codecs, static_cast<uint32_t>(n), reduced);
   for (int owner = 0; owner < n; ++owner)
     for (const Segment& s : plan.segments_of(plan.partitions[owner])) {
       const CodecSpec& spec = codecs[s.layer];
@@ -211,9 +227,11 @@ BOOST_AUTO_TEST_CASE(matches_the_reference_byte_for_byte) {
             std::vector<CodecSpec> codecs;
             for (auto& s : sizes) {
               s = 1 + rng() % (rng() % 3 ? 20000 : 300);
-              const int kind = static_cast<int>(rng() % 5);
+              const int kind = static_cast<int>(rng() % 6);
+              const char* densities[] = {"0.001", "0.01", "0.1", "0.5", "1"};
               codecs.push_back(kind == 0   ? CodecSpec::none()
                                : kind == 1 ? quant(1 + rng() % 8, 32 * (1 + rng() % 40), Rounding::kNearest)
+                               : kind == 5 ? CodecSpec::parse(std::string("topk:density=") + densities[rng() % 5])
                                            : quant(1 + rng() % 8, 32 * (1 + rng() % 40)));
             }
             job.buckets.push_back(fixed_layout(sizes, codecs, dtype));
@@ -485,7 +503,11 @@ class FailingBackend final : public Backend {
  public:
   explicit FailingBackend(uint64_t fail_at_step) : fail_at_step_(fail_at_step) {}
   uint64_t step = 0;
+  bool lacks_topk = false;  // as a backend without TopK kernels
   std::string name() const override { return "failing"; }
+  std::string unsupported(const CodecSpec& spec) const override {
+    return lacks_topk && spec.family() == CodecFamily::kTopk ? "this backend has no TopK kernels" : "";
+  }
   std::unique_ptr<Buffer> allocate(uint64_t bytes) override { return cpu_.allocate(bytes); }
   std::unique_ptr<Buffer> allocate_host(uint64_t bytes) override { return cpu_.allocate_host(bytes); }
   void fill_zero(void* d, uint64_t n) override { cpu_.fill_zero(d, n); }
@@ -750,6 +772,195 @@ BOOST_AUTO_TEST_CASE(adaptive_switches_are_the_same_on_every_rank) {
   BOOST_TEST(results[0].epoch >= 2u);
   // The default (4 bits everywhere) is not what the solver keeps for such layers.
   BOOST_TEST(results[0].codecs != std::vector<std::string>(4, quant(4).str()));
+}
+
+CodecSpec topk(const char* density) { return CodecSpec::parse(std::string("topk:density=") + density); }
+
+// TopK layers are measured on whole layers, as each rank sends them: the measured error of
+// the default equals what the output loses (the ranks' errors are independent here, so
+// their squares add), under both algorithms and both ops, with quantization candidates
+// beside them.
+BOOST_AUTO_TEST_CASE(topk_measured_errors_are_the_output_errors) {
+  const uint64_t seed = test::run_seed();
+  const std::vector<CodecSpec> candidates = {topk("0.01"), topk("0.05"), topk("0.2"), quant(2), quant(4), quant(8)};
+  for (Algorithm algorithm : {Algorithm::kScatterReduceAllGather, Algorithm::kAllGather})
+    for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg}) {
+      const int ranks = 4;
+      BucketLayout bucket;
+      for (uint64_t size : {60000u, 90000u}) {
+        bucket.layers.push_back({"layer" + std::to_string(bucket.layers.size()), bucket.count, size, candidates, 1});
+        bucket.count += size;
+      }
+      auto hub = std::make_shared<InProcHub>(ranks, 10000ms);
+      std::vector<std::vector<std::vector<float>>> outputs(ranks);
+      std::optional<controller::ErrorStats> stats;
+      auto input = [&](int r, uint64_t step) {
+        std::mt19937_64 rng(seed ^ (uint64_t(r) << 40) ^ step);
+        return test::draw(test::Dist::kNormal, bucket.count, rng);
+      };
+      std::vector<std::thread> threads;
+      for (int r = 0; r < ranks; ++r)
+        threads.emplace_back([&, r] {
+          InProcFabric fabric(hub, r);
+          CpuBackend backend;
+          EngineOptions o;
+          o.codec = topk("0.05");
+          o.candidates = candidates;
+          o.error_feedback = false;
+          o.algorithm = algorithm;
+          o.parameters_text = "measure topk";
+          o.controller.schedule = {3, 100, 2, 2};  // measures steps 1 and 2, submits at step 3
+          Engine engine(o, {bucket}, fabric, backend);
+          for (uint64_t step = 0; step < 4; ++step) {
+            const std::vector<float> x = input(r, step);
+            std::vector<float> y(x.size(), std::nanf(""));
+            const CallOutcome outcome = engine.allreduce({0, step, x.data(), y.data(), bucket.count, DType::kFloat32, op});
+            BOOST_TEST((outcome.kind == CallOutcome::Kind::kDone), outcome.message);
+            outputs[r].push_back(std::move(y));
+          }
+          if (r == 0) stats = engine.last_window_stats();
+        });
+      for (auto& t : threads) t.join();
+      BOOST_TEST_REQUIRE(stats.has_value());
+      for (int r = 1; r < ranks; ++r) BOOST_TEST((outputs[r] == outputs[0]));
+      for (size_t l = 0; l < 2; ++l) {
+        double realized = 0;
+        for (uint64_t step : {1u, 2u}) {
+          std::vector<double> exact(bucket.count, 0.0);
+          for (int r = 0; r < ranks; ++r) {
+            const auto x = input(r, step);
+            for (size_t i = 0; i < x.size(); ++i) exact[i] += x[i];
+          }
+          const LayerLayout& layer = bucket.layers[l];
+          for (uint64_t i = layer.offset; i < layer.offset + layer.numel; ++i) {
+            const double want = op == ReduceOp::kAvg ? exact[i] / ranks : exact[i];
+            realized += (outputs[0][step][i] - want) * (outputs[0][step][i] - want);
+          }
+        }
+        BOOST_TEST(stats->samples(l) == 2u * ranks);
+        const double samples = static_cast<double>(stats->samples(l));
+        const double measured = stats->mean(l, 1) * samples;  // topk 0.05, the default
+        BOOST_TEST_CONTEXT(algorithm_name(algorithm) << (op == ReduceOp::kAvg ? " avg" : " sum") << " layer " << l
+                                                     << ": measured " << measured << ", realized " << realized) {
+          BOOST_TEST(measured > 0.95 * realized);
+          BOOST_TEST(measured < 1.05 * realized);
+          // Every candidate has a finite measurement, ordered as the family's parameter says.
+          for (uint32_t c = 0; c < candidates.size(); ++c) BOOST_TEST(std::isfinite(stats->mean(l, c)));
+          BOOST_TEST(stats->mean(l, 0) > stats->mean(l, 1));
+          BOOST_TEST(stats->mean(l, 1) > stats->mean(l, 2));
+          BOOST_TEST(stats->mean(l, 3) > stats->mean(l, 4));
+          BOOST_TEST(stats->mean(l, 4) > stats->mean(l, 5));
+        }
+      }
+    }
+}
+
+// With candidates of two families, each layer gets the family that suits it: a sparse
+// layer TopK, a dense one quantization; every rank switches alike, in one call whose
+// layers travel by different exchanges.
+BOOST_AUTO_TEST_CASE(adaptive_choice_across_families_is_the_same_on_every_rank) {
+  const uint64_t seed = test::run_seed();
+  std::vector<CodecSpec> candidates = {topk("0.001"), topk("0.005"), topk("0.01"), topk("0.05")};
+  for (int bits = 2; bits <= 8; ++bits) candidates.push_back(quant(bits));
+  BucketLayout bucket;
+  const std::vector<uint64_t> sizes = {40000, 50000, 30000};
+  for (size_t l = 0; l < sizes.size(); ++l) {
+    bucket.layers.push_back({"layer" + std::to_string(l), bucket.count, sizes[l], candidates, 6});  // quant 4
+    bucket.count += sizes[l];
+  }
+  for (int ranks : {2, 4}) {
+    BOOST_TEST_CONTEXT("seed " << seed << ", " << ranks << " ranks") {
+      Job job;
+      job.ranks = ranks;
+      job.buckets = {bucket};
+      job.options = [&](int) {
+        EngineOptions o;
+        o.codec = quant(4);
+        o.candidates = candidates;
+        o.parameters_text = "families";
+        o.controller.schedule = {2, 4, 2, 1};
+        return o;
+      };
+      // Layer 0 is sparse: 200 nonzero values (TopK at 0.5% keeps them all, exactly, for
+      // 1600 bytes, where 4-bit quantization spends 20 KB and still errs on the zeros);
+      // layers 1 and 2 are dense, where TopK would lose most of the energy and
+      // quantization is the affordable choice. All of the same scale, so that no layer's
+      // error dwarfs the budget.
+      job.input = [&](int r, uint64_t step, uint32_t) {
+        std::mt19937_64 rng(seed ^ (uint64_t(r) << 40) ^ step);
+        std::vector<float> x = test::draw(test::Dist::kNormal, bucket.count, rng);
+        for (size_t i = 0; i < 40000; ++i)
+          if (i % 200 != 0) x[i] = 0.0f;
+        return to_dtype(x, DType::kFloat32);
+      };
+      job.steps = 12;
+      job.snapshot_residuals = true;
+      const auto results = run_job(job);
+      for (int r = 0; r < ranks; ++r) {
+        for (size_t c = 0; c < results[r].outcomes.size(); ++c) {
+          BOOST_TEST((results[r].outcomes[c].kind == CallOutcome::Kind::kDone), results[r].outcomes[c].message);
+          BOOST_TEST((results[r].outputs[c] == results[0].outputs[c]), "call " << c << " rank " << r);
+        }
+        BOOST_TEST(results[r].epoch == results[0].epoch);
+        BOOST_TEST(results[r].codecs == results[0].codecs);
+      }
+      BOOST_TEST(results[0].epoch >= 2u);
+      BOOST_TEST_REQUIRE(results[0].codecs.size() == 3u);
+      BOOST_TEST(results[0].codecs[0].rfind("topk:", 0) == 0u, results[0].codecs[0]);
+      BOOST_TEST(results[0].codecs[1].rfind("quant:", 0) == 0u, results[0].codecs[1]);
+      BOOST_TEST(results[0].codecs[2].rfind("quant:", 0) == 0u, results[0].codecs[2]);
+      // Against the uniform default (4 bits everywhere) on the same inputs: fewer bytes, and
+      // an output error of the same size (the budget is the default's error; the realized
+      // error of one step is a sample of it).
+      Job uniform = job;
+      uniform.options = [&](int r) {
+        EngineOptions o = job.options(r);
+        o.mode = config::Mode::kUniform;
+        return o;
+      };
+      const auto baseline = run_job(uniform);
+      auto output_error = [&](const std::vector<RankResult>& res, uint64_t step) {
+        std::vector<double> exact(bucket.count, 0.0);
+        for (int r = 0; r < ranks; ++r) {
+          const auto x = to_double(job.input(r, step, 0), DType::kFloat32);
+          for (size_t i = 0; i < x.size(); ++i) exact[i] += x[i];
+        }
+        const auto out = to_double(res[0].outputs[step], DType::kFloat32);
+        double err = 0;
+        for (size_t i = 0; i < exact.size(); ++i) err += (out[i] - exact[i]) * (out[i] - exact[i]);
+        return err;
+      };
+      double adaptive_error = 0, uniform_error = 0;
+      for (uint64_t step = 8; step < job.steps; ++step)  // after the switch
+        adaptive_error += output_error(results, step), uniform_error += output_error(baseline, step);
+      BOOST_TEST(adaptive_error < 1.5 * uniform_error, adaptive_error << " against " << uniform_error);
+      BOOST_TEST(results[0].counters.encoded_bytes < baseline[0].counters.encoded_bytes);
+    }
+  }
+}
+
+// A backend without a family's kernels: every rank passes through, with one WARN saying
+// which layer and codec, instead of failing in the middle of a call.
+BOOST_AUTO_TEST_CASE(a_family_the_backend_lacks_passes_through_on_every_rank) {
+  const BucketLayout bucket = fixed_layout({5000, 7000}, {quant(4), topk("0.01")}, DType::kFloat32);
+  const int ranks = 3;
+  auto hub = std::make_shared<InProcHub>(ranks, 10000ms);
+  std::vector<CallOutcome> outcomes(ranks);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < ranks; ++r)
+    threads.emplace_back([&, r] {
+      InProcFabric fabric(hub, r);
+      FailingBackend backend(~uint64_t{0});
+      backend.lacks_topk = r == 1;  // one rank alone is enough
+      Engine engine(fixed_options(Algorithm::kAuto, true), {bucket}, fabric, backend);
+      std::vector<float> x(bucket.count, 1.0f), y(bucket.count);
+      outcomes[r] = engine.allreduce({0, 0, x.data(), y.data(), bucket.count, DType::kFloat32, ReduceOp::kSum});
+    });
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < ranks; ++r) {
+    BOOST_TEST((outcomes[r].kind == CallOutcome::Kind::kPassThrough), outcomes[r].message);
+    BOOST_TEST(test::contains(outcomes[r].message, "a local failure"), outcomes[r].message);
+  }
 }
 
 BOOST_AUTO_TEST_SUITE_END()
