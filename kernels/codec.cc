@@ -1,9 +1,11 @@
 #include "kernels/codec.h"
 
+#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <string>
 
+#include "kernels/lowrank.h"
 #include "kernels/quant.h"
 #include "kernels/quant_math.h"
 #include "kernels/topk.h"
@@ -98,6 +100,33 @@ class TopkCodec final : public Codec {
   TopkParams p_;
 };
 
+// One-shot PowerSGD (kernels/lowrank.h): needs rows in the spec, since a Codec has no
+// layer shape. The engine exchanges PowerSGD layers its own way (two allreduces with a
+// warm-started Q), not through this class.
+class PowersgdCodec final : public Codec {
+ public:
+  PowersgdCodec(const CodecSpec& spec, DType dtype) : Codec(spec, dtype), p_(spec.powersgd_params()) {
+    p_.validate();
+  }
+
+  uint64_t encoded_bytes(uint64_t count) const override {
+    if (p_.rows == 0) throw CodecError("powersgd: the encoded size needs the matrix shape (rows=N in the spec)");
+    return lowrank::encoded_bytes(lowrank::shape_of(count, p_.rows, "powersgd"), p_.rank);
+  }
+  EncodeReport encode(const NoiseKey& key, const Slice& in, float* residual, std::span<uint8_t> out) const override {
+    return lowrank::encode(p_, key, dtype(), in, residual, out);
+  }
+  void decode(std::span<const uint8_t> in, uint64_t count, DType out_dtype, void* out) const override {
+    lowrank::decode(p_, in, count, out_dtype, out);
+  }
+  void decode_accumulate(std::span<const uint8_t> in, uint64_t count, float* acc) const override {
+    lowrank::decode_accumulate(p_, in, count, acc);
+  }
+
+ private:
+  PowersgdParams p_;
+};
+
 // Error of `none`: what rounding x + residual to the layer's type loses.
 double none_squared_error(DType dtype, const Slice& in, const float* residual, uint64_t* nonfinite) {
   double sum = 0.0;
@@ -122,17 +151,55 @@ std::unique_ptr<Codec> Codec::create(const CodecSpec& spec, DType dtype) {
     case CodecFamily::kNone: return std::make_unique<NoneCodec>(spec, dtype);
     case CodecFamily::kQuant: return std::make_unique<QuantCodec>(spec, dtype);
     case CodecFamily::kTopk: return std::make_unique<TopkCodec>(spec, dtype);
+    case CodecFamily::kPowersgd: return std::make_unique<PowersgdCodec>(spec, dtype);
   }
   throw CodecError("codec: unknown family in spec " + spec.str());
 }
 
+namespace {
+
+// PowerSGD candidates of one row count: one seeded basis of the largest rank serves them
+// all (lowrank::squared_errors), exactly as the one-shot codec would do at each rank.
+uint64_t powersgd_errors(std::span<const CodecSpec> specs, std::span<const size_t> indices, DType dtype,
+                         const Slice& input, const float* residual, const NoiseKey& key, CandidateReport* report) {
+  std::vector<float> x(input.count);
+  for (uint64_t i = 0; i < input.count; ++i) {
+    const float v = load_as_float(input.data, dtype, i);
+    x[i] = residual ? v + residual[i] : v;
+  }
+  uint64_t nonfinite = 0;
+  std::vector<size_t> left(indices.begin(), indices.end());
+  while (!left.empty()) {
+    const uint64_t rows = specs[left.front()].powersgd_params().rows;
+    const lowrank::Shape shape = lowrank::shape_of(input.count, rows, "powersgd statistics");
+    std::vector<uint32_t> ranks;
+    std::vector<size_t> these, rest;
+    for (size_t i : left)
+      (specs[i].powersgd_params().rows == rows ? these : rest).push_back(i);
+    uint32_t basis_rank = 0;
+    for (size_t i : these) {
+      ranks.push_back(specs[i].powersgd_params().rank);
+      basis_rank = std::max(basis_rank, ranks.back());
+    }
+    std::vector<float> basis(shape.cols * basis_rank);
+    lowrank::initial_q(key, shape.cols, basis_rank, basis.data());
+    std::vector<double> errors(ranks.size());
+    if (!lowrank::squared_errors(x.data(), shape, basis.data(), basis_rank, ranks, errors)) nonfinite = 1;
+    for (size_t k = 0; k < these.size(); ++k) report->candidates[these[k]].squared_error = errors[k];
+    left = std::move(rest);
+  }
+  return nonfinite;
+}
+
+}  // namespace
+
 CandidateReport measure_candidates(std::span<const CodecSpec> specs, DType dtype, const Slice& input,
-                                   const float* residual) {
+                                   const float* residual, const NoiseKey& key) {
   CandidateReport report;
   report.candidates.resize(specs.size());
   std::vector<QuantParams> quant;
   std::vector<TopkParams> topk;
-  std::vector<size_t> quant_index, topk_index;
+  std::vector<size_t> quant_index, topk_index, powersgd_index;
   bool has_none = false;
   for (size_t i = 0; i < specs.size(); ++i) {
     report.candidates[i].bytes = Codec::create(specs[i], dtype)->encoded_bytes(input.count);
@@ -145,6 +212,7 @@ CandidateReport measure_candidates(std::span<const CodecSpec> specs, DType dtype
         topk.push_back(specs[i].topk_params());
         topk_index.push_back(i);
         break;
+      case CodecFamily::kPowersgd: powersgd_index.push_back(i); break;
       case CodecFamily::kNone: has_none = true; break;
     }
   }
@@ -161,12 +229,16 @@ CandidateReport measure_candidates(std::span<const CodecSpec> specs, DType dtype
     if (quant.empty()) report.nonfinite_buckets = nonfinite;
     for (size_t k = 0; k < topk.size(); ++k) report.candidates[topk_index[k]].squared_error = errors[k];
   }
+  if (!powersgd_index.empty()) {
+    const uint64_t nonfinite = powersgd_errors(specs, powersgd_index, dtype, input, residual, key, &report);
+    if (quant.empty() && topk.empty()) report.nonfinite_buckets = nonfinite;
+  }
   if (has_none) {
     uint64_t nonfinite = 0;
     const double error = none_squared_error(dtype, input, residual, &nonfinite);
     for (size_t i = 0; i < specs.size(); ++i)
       if (specs[i].family() == CodecFamily::kNone) report.candidates[i].squared_error = error;
-    if (quant.empty() && topk.empty()) report.nonfinite_buckets = nonfinite;
+    if (quant.empty() && topk.empty() && powersgd_index.empty()) report.nonfinite_buckets = nonfinite;
   }
   return report;
 }

@@ -62,8 +62,11 @@ struct CandidateReport {
 };
 
 // Error and size of every spec on one layer slice, in one read of the input per family
-// (per bucket size for quantization). Throws CodecError on an invalid spec or input.
+// (per bucket size for quantization). `key` seeds PowerSGD's starting matrix (its seed,
+// layer and step), so that its error is the one-shot codec's with that key; the other families'
+// errors do not depend on it. Throws CodecError on an invalid spec or input (PowerSGD
+// without rows=N in its spec).
 CandidateReport measure_candidates(std::span<const CodecSpec> specs, DType dtype, const Slice& input,
-                                   const float* residual);
+                                   const float* residual, const NoiseKey& key = {});
 
 }  // namespace lgreco

@@ -120,7 +120,39 @@ TopkParams parse_topk(std::string_view spec, const std::vector<KeyValue>& option
   return p;
 }
 
+PowersgdParams parse_powersgd(std::string_view spec, const std::vector<KeyValue>& options) {
+  PowersgdParams p;
+  for (const KeyValue& kv : options) {
+    uint64_t number = 0;
+    if (kv.key == "rank") {
+      if (!parse_unsigned(kv.value, &number) || number < PowersgdParams::kMinRank || number > PowersgdParams::kMaxRank)
+        fail(spec, "rank=" + std::string(kv.value) + " is out of range; expected an integer " +
+                       std::to_string(PowersgdParams::kMinRank) + ".." + std::to_string(PowersgdParams::kMaxRank));
+      p.rank = static_cast<uint32_t>(number);
+    } else if (kv.key == "rows") {
+      if (!parse_unsigned(kv.value, &number) || number == 0 || number > (uint64_t{1} << 32))
+        fail(spec, "rows=" + std::string(kv.value) + " is invalid; expected an integer 1..4294967296");
+      p.rows = number;
+    } else {
+      fail(spec, "unknown option " + quoted(kv.key) + " for powersgd; expected rank or rows");
+    }
+  }
+  return p;
+}
+
 }  // namespace
+
+void PowersgdParams::validate() const {
+  if (rank < kMinRank || rank > kMaxRank)
+    throw CodecError("powersgd: rank=" + std::to_string(rank) + " is out of range " + std::to_string(kMinRank) + ".." +
+                     std::to_string(kMaxRank));
+  if (rows > (uint64_t{1} << 32)) throw CodecError("powersgd: rows=" + std::to_string(rows) + " is too large");
+}
+
+CodecSpec CodecSpec::powersgd(const PowersgdParams& p) {
+  p.validate();
+  return CodecSpec{p};
+}
 
 std::string density_text(uint32_t ppb) {
   if (ppb >= TopkParams::kPartsPerUnit) return "1";
@@ -167,8 +199,9 @@ CodecSpec CodecSpec::parse(std::string_view text) {
   }
   if (family == "quant") return CodecSpec{parse_quant(text, options)};
   if (family == "topk") return CodecSpec{parse_topk(text, options)};
-  if (family.empty()) fail(text, "missing codec family; expected none, quant or topk");
-  fail(text, "unknown codec family " + quoted(family) + "; expected none, quant or topk");
+  if (family == "powersgd") return CodecSpec{parse_powersgd(text, options)};
+  if (family.empty()) fail(text, "missing codec family; expected none, quant, topk or powersgd");
+  fail(text, "unknown codec family " + quoted(family) + "; expected none, quant, topk or powersgd");
 }
 
 std::string CodecSpec::str() const {
@@ -180,6 +213,10 @@ std::string CodecSpec::str() const {
              ",rounding=" + rounding_name(p.rounding);
     }
     case CodecFamily::kTopk: return "topk:density=" + density_text(topk_params().density_ppb);
+    case CodecFamily::kPowersgd: {
+      const PowersgdParams& p = powersgd_params();
+      return "powersgd:rank=" + std::to_string(p.rank) + (p.rows ? ",rows=" + std::to_string(p.rows) : "");
+    }
   }
   return "invalid";
 }
@@ -189,6 +226,7 @@ const char* family_name(CodecFamily f) {
     case CodecFamily::kNone: return "none";
     case CodecFamily::kQuant: return "quant";
     case CodecFamily::kTopk: return "topk";
+    case CodecFamily::kPowersgd: return "powersgd";
   }
   return "invalid";
 }

@@ -4,6 +4,7 @@
 //   none
 //   quant[:bits=B][,bucket=N][,rounding=stochastic|nearest]
 //   topk[:density=D]
+//   powersgd[:rank=R][,rows=N]
 //
 // A family name, then optional comma-separated key=value pairs; missing keys take their
 // defaults. `CodecSpec::str()` prints the canonical form with every key, so a parsed spec
@@ -68,10 +69,25 @@ struct TopkParams {
   friend bool operator==(const TopkParams&, const TopkParams&) = default;
 };
 
-enum class CodecFamily : uint8_t { kNone = 0, kQuant = 1, kTopk = 2 };
+// PowerSGD low-rank compression (docs/FORMAT.md, kernels/lowrank.h): a layer viewed as an
+// n x m matrix M (n = rows, m = count / n) is sent as two factors of rank R. `rows` = 0
+// (the default, and the only value the engine accepts) takes n from the layer's
+// registered shape; a fixed `rows` names the view of a standalone encoding (lgreco-codec
+// --shape, an .lgc file), where no registration exists.
+struct PowersgdParams {
+  static constexpr uint32_t kMinRank = 1;
+  static constexpr uint32_t kMaxRank = 256;
+  uint32_t rank = 4;
+  uint64_t rows = 0;
+
+  void validate() const;
+  friend bool operator==(const PowersgdParams&, const PowersgdParams&) = default;
+};
+
+enum class CodecFamily : uint8_t { kNone = 0, kQuant = 1, kTopk = 2, kPowersgd = 3 };
 
 struct CodecSpec {
-  using Params = std::variant<NoneParams, QuantParams, TopkParams>;  // index == CodecFamily
+  using Params = std::variant<NoneParams, QuantParams, TopkParams, PowersgdParams>;  // index == CodecFamily
   Params params;
 
   // Parses a spec string; throws CodecError quoting the spec and naming the bad part.
@@ -79,10 +95,12 @@ struct CodecSpec {
   static CodecSpec none() { return CodecSpec{NoneParams{}}; }
   static CodecSpec quant(const QuantParams& p);  // validates
   static CodecSpec topk(const TopkParams& p);    // validates
+  static CodecSpec powersgd(const PowersgdParams& p);  // validates
 
   CodecFamily family() const { return static_cast<CodecFamily>(params.index()); }
   const QuantParams& quant_params() const { return std::get<QuantParams>(params); }
   const TopkParams& topk_params() const { return std::get<TopkParams>(params); }
+  const PowersgdParams& powersgd_params() const { return std::get<PowersgdParams>(params); }
   std::string str() const;  // canonical form
   friend bool operator==(const CodecSpec&, const CodecSpec&) = default;
 };

@@ -106,6 +106,15 @@ EngineOptions EngineOptions::from_params(const config::Params& p, int rank) {
     o.valid = false;
     if (o.invalid_reason.empty()) o.invalid_reason = e.what();
   }
+  // PowerSGD parses (lgreco-codec runs it), but this engine has no low-rank exchange yet.
+  for (const CodecSpec& c : o.candidates)
+    if (c.family() == CodecFamily::kPowersgd || o.codec.family() == CodecFamily::kPowersgd) {
+      o.valid = false;
+      if (o.invalid_reason.empty())
+        o.invalid_reason = "powersgd is not exchanged by this version of the engine (lgreco-codec encodes it); "
+                           "use quant or topk";
+      break;
+    }
   if (o.controller.objective == controller::Objective::kTime &&
       std::find(o.candidates.begin(), o.candidates.end(), CodecSpec::none()) == o.candidates.end())
     o.candidates.push_back(CodecSpec::none());
@@ -276,8 +285,18 @@ Engine::Engine(EngineOptions options, std::vector<BucketLayout> buckets, Fabric&
       layer.name = std::to_string(b) + "/" + l.name;
       layer.numel = l.numel;
       layer.default_index = l.default_index;
-      for (const CodecSpec& c : l.candidates)
-        layer.candidates.push_back({c.str(), encoded_bytes(c, buckets_[b].dtype, l.numel), 0.0});
+      for (const CodecSpec& c : l.candidates) {
+        uint64_t bytes = 0;
+        try {
+          bytes = encoded_bytes(c, buckets_[b].dtype, l.numel);
+        } catch (const std::invalid_argument& e) {
+          // A codec this engine cannot size (from_params refuses it too): this rank takes
+          // part in the agreement as one whose configuration is invalid.
+          options_.valid = false;
+          if (options_.invalid_reason.empty()) options_.invalid_reason = e.what();
+        }
+        layer.candidates.push_back({c.str(), bytes, 0.0});
+      }
       state->controller_of.back() = static_cast<int32_t>(layers.size());
       state->measured.back() = 1;
       controller_names_.push_back(layer.name);

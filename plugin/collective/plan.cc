@@ -5,6 +5,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "kernels/lowrank.h"
 #include "kernels/quant.h"
 #include "kernels/topk.h"
 
@@ -35,6 +36,13 @@ uint64_t encoded_bytes(const CodecSpec& spec, DType dtype, uint64_t count) {
     case CodecFamily::kNone: return count * dtype_size(dtype);
     case CodecFamily::kQuant: return quant::encoded_bytes(spec.quant_params(), count);
     case CodecFamily::kTopk: return topk::encoded_bytes(spec.topk_params(), count);
+    case CodecFamily::kPowersgd: {
+      // The engine does not exchange PowerSGD yet (EngineOptions refuses it); a spec with
+      // rows=N still has a size.
+      const PowersgdParams& p = spec.powersgd_params();
+      if (p.rows == 0) throw std::invalid_argument("plan: " + spec.str() + " needs the layer's shape");
+      return lowrank::encoded_bytes(lowrank::shape_of(count, p.rows, "plan"), p.rank);
+    }
   }
   throw std::invalid_argument("plan: unknown codec family in " + spec.str());
 }

@@ -8,7 +8,7 @@ uses only the Python 3 standard library.
 Usage: lgc_decode.py [--as-element-type] IN.lgc OUT.f32
 
 Reads IN.lgc, performs every validation FORMAT.md asks of a reader, decodes
-the payload (codecs `none`, `quant` and `topk`) and writes the values to OUT.f32 as
+the payload (codecs `none`, `quant`, `topk` and `powersgd`) and writes the values to OUT.f32 as
 raw little-endian float32. Exit status 0 on success; on any problem one line
 `lgc_decode.py: error: <what is wrong>` goes to stderr and the exit status is 1.
 
@@ -194,10 +194,12 @@ def parse_spec(spec):
         raise LgcError("codec spec %r contains a space, control or non-ASCII "
                        "character" % spec)
     family, colon, rest = spec.partition(":")
-    if family not in ("none", "quant", "topk"):
+    if family not in ("none", "quant", "topk", "powersgd"):
         raise LgcError("codec spec %r: unknown family %r" % (spec, family))
     if family == "topk":
         return family, _parse_topk_options(spec, rest if colon else None)
+    if family == "powersgd":
+        return family, _parse_powersgd_options(spec, rest if colon else None)
     if not colon:
         return family, (dict(QUANT_DEFAULTS) if family == "quant" else {})
     options = {}
@@ -249,6 +251,38 @@ def _parse_topk_options(spec, rest):
     return opts
 
 
+def _parse_powersgd_options(spec, rest):
+    opts = {"rank": 4, "rows": 0}
+    if rest is None:
+        return opts
+    seen = set()
+    for option in rest.split(","):
+        key, eq, value = option.partition("=")
+        if not eq or not key or not value:
+            raise LgcError("codec spec %r: malformed option %r (expected "
+                           "key=value)" % (spec, option))
+        if key not in opts:
+            raise LgcError("codec spec %r: unknown key %r for family "
+                           "'powersgd'" % (spec, key))
+        if key in seen:
+            raise LgcError("codec spec %r: repeated key %r" % (spec, key))
+        seen.add(key)
+        opts[key] = _parse_uint(spec, key, value)
+    if not 1 <= opts["rank"] <= 256:
+        raise LgcError("codec spec %r: rank=%d out of range 1..256"
+                       % (spec, opts["rank"]))
+    return opts
+
+
+def powersgd_shape(spec, opts, n):
+    """(rows, cols) of the matrix view; a file's spec must name its rows."""
+    rows = opts["rows"]
+    if rows == 0 or n % rows:
+        raise LgcError("codec spec %r: %d values are not a matrix of %d rows"
+                       % (spec, n, rows))
+    return rows, n // rows
+
+
 def topk_k(n, ppb):
     """k = ceil(n * d / 10^9), in integers."""
     return -(-(n * ppb) // 10 ** 9)
@@ -282,6 +316,9 @@ def payload_size(family, opts, n, elem_size):
         return n * elem_size
     if family == "topk":
         return 8 * topk_k(n, opts["density_ppb"])
+    if family == "powersgd":
+        rows, cols = powersgd_shape("powersgd", opts, n)
+        return 4 * (rows + cols) * opts["rank"]
     bits, bucket = opts["bits"], opts["bucket"]
     return 8 * -(-n // bucket) + 4 * bits * -(-n // 32)
 
@@ -452,6 +489,25 @@ def decode_topk(payload, n, ppb):
     return bytes(out)
 
 
+def decode_powersgd(payload, n, rank, rows):
+    """M[i][j] = sum over c of P[i][c] * Q[j][c]: float32 products (exact in
+    binary64) summed in binary64 in order of c, rounded once to float32."""
+    cols = n // rows
+    p = struct.unpack_from("<%df" % (rows * rank), payload, 0)
+    q = struct.unpack_from("<%df" % (cols * rank), payload, 4 * rows * rank)
+    out = []
+    nan = struct.pack("<I", 0x7FFFFFFF)
+    for i in range(rows):
+        pi = p[i * rank:(i + 1) * rank]
+        for j in range(cols):
+            qj = q[j * rank:(j + 1) * rank]
+            v = 0.0
+            for c in range(rank):
+                v += pi[c] * qj[c]
+            out.append(nan if math.isnan(v) else f32_bytes(v))
+    return b"".join(out)
+
+
 def round_to_element_type(f32_data, elem_name):
     """Round float32 values to float16/bfloat16 and widen back (see
     --as-element-type)."""
@@ -470,6 +526,9 @@ def decode(data, as_element_type=False):
         return decode_none(payload, n, elem)
     if header["family"] == "topk":
         return decode_topk(payload, n, header["options"]["density_ppb"])
+    if header["family"] == "powersgd":
+        return decode_powersgd(payload, n, header["options"]["rank"],
+                               header["options"]["rows"])
     out = decode_quant(payload, n, header["options"]["bits"],
                        header["options"]["bucket"])
     if as_element_type and elem != "float32":

@@ -636,6 +636,16 @@ BOOST_AUTO_TEST_CASE(options_from_parameters_and_layouts_from_registrations) {
   const EngineOptions invalid = EngineOptions::from_params(config::load_params(sources), 0);
   BOOST_TEST(!invalid.valid);
   BOOST_TEST(test::contains(invalid.invalid_reason, "LGRECO_WINDOW=0"), invalid.invalid_reason);
+  // PowerSGD parses but has no exchange in this engine yet: refused with a reason, as
+  // an invalid configuration (every rank passes through with a WARN).
+  for (const char* candidates : {"auto", "quant:bits=2;powersgd:rank=4"}) {
+    config::ParamSources lowrank = sources;
+    lowrank.environment = {{"LGRECO_CODEC", std::string(candidates) == "auto" ? "powersgd:rank=4" : "quant:bits=4"},
+                           {"LGRECO_CANDIDATES", candidates}};
+    const EngineOptions refused = EngineOptions::from_params(config::load_params(lowrank), 0);
+    BOOST_TEST(!refused.valid, candidates);
+    BOOST_TEST(test::contains(refused.invalid_reason, "powersgd is not exchanged"), refused.invalid_reason);
+  }
 
   config::RegisteredBucket bucket;
   bucket.count = 4096 + 64 + 2048;

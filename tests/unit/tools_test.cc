@@ -102,7 +102,24 @@ BOOST_AUTO_TEST_CASE(independent_python_decoder_agrees_bit_for_bit) {
       BOOST_TEST_REQUIRE((test::read_bytes(dir.file("ours.f32")) == test::read_bytes(dir.file("theirs.f32"))));
       ++files;
     }
-  BOOST_TEST(files == 44);
+  // PowerSGD, whose files carry the matrix view in their spec (rows=N from --shape).
+  for (const auto& [rows, cols] : {std::pair<int, int>{1, 1}, {3, 11}, {17, 241}, {64, 64}})
+    for (const char* spec : {"powersgd:rank=1", "powersgd:rank=3"}) {
+      const uint64_t n = static_cast<uint64_t>(rows) * cols;
+      write_f32(dir.file("in.f32"), test::draw(Dist::kNormal, n, rng));
+      const std::string shape = std::to_string(rows) + "x" + std::to_string(cols);
+      const auto enc = test::run_command(codec_tool() + " encode --codec " + spec + " --shape " + shape + " --seed " +
+                                         std::to_string(rng() >> 1) + " " + dir.file("in.f32") + " " + dir.file("x.lgc"));
+      BOOST_TEST_REQUIRE(enc.exit_code == 0, enc.output);
+      const auto ours = test::run_command(codec_tool() + " decode " + dir.file("x.lgc") + " " + dir.file("ours.f32"));
+      const auto theirs = test::run_command(py.command(dir.file("x.lgc"), dir.file("theirs.f32")));
+      BOOST_TEST_INFO_SCOPE(spec << " " << shape);
+      BOOST_TEST_REQUIRE(ours.exit_code == 0, ours.output);
+      BOOST_TEST_REQUIRE(theirs.exit_code == 0, theirs.output);
+      BOOST_TEST_REQUIRE((test::read_bytes(dir.file("ours.f32")) == test::read_bytes(dir.file("theirs.f32"))));
+      ++files;
+    }
+  BOOST_TEST(files == 52);
   // It rejects damage too.
   auto bytes = test::read_bytes(dir.file("x.lgc"));
   bytes.back() ^= 1;
@@ -118,14 +135,20 @@ BOOST_AUTO_TEST_CASE(stats_prints_one_line_per_candidate) {
   const uint64_t n = 9000;
   const std::vector<float> x = test::draw(Dist::kHeavyTailed, n, rng);
   write_f32(dir.file("in.f32"), x);
-  const std::vector<std::string> specs = {"quant:bits=2", "quant:bits=4,rounding=nearest", "none", "topk:density=0.05"};
+  const std::vector<std::string> specs = {"quant:bits=2", "quant:bits=4,rounding=nearest", "none", "topk:density=0.05",
+                                          "powersgd:rank=2", "powersgd:rank=8"};
   std::string cmd = codec_tool() + " stats";
   for (const auto& s : specs) cmd += " --codec " + s;
-  const auto r = test::run_command(cmd + " --seed 3 " + dir.file("in.f32"));
+  const auto r = test::run_command(cmd + " --seed 3 --layer 2 --shape 90x100 " + dir.file("in.f32"));
   BOOST_TEST_REQUIRE(r.exit_code == 0, r.output);
   std::vector<CodecSpec> parsed;
-  for (const auto& s : specs) parsed.push_back(CodecSpec::parse(s));
-  const CandidateReport want = measure_candidates(parsed, DType::kFloat32, Slice{x.data(), n, 0}, nullptr);
+  for (const auto& s : specs) {
+    parsed.push_back(CodecSpec::parse(s));
+    if (parsed.back().family() == CodecFamily::kPowersgd)
+      parsed.back() = CodecSpec::powersgd(PowersgdParams{parsed.back().powersgd_params().rank, 90});
+  }
+  const CandidateReport want =
+      measure_candidates(parsed, DType::kFloat32, Slice{x.data(), n, 0}, nullptr, NoiseKey{3, 0, 0, 2});
   std::istringstream lines(r.output);
   std::string line;
   size_t row = 0;
@@ -182,7 +205,13 @@ BOOST_AUTO_TEST_CASE(bad_input_gives_a_clear_error_and_exit_status) {
       {"decode --codec quant " + dir.file("x.lgc") + " " + dir.file("o.f32"), 2, "takes the codec from the file"},
       {"stats " + dir.file("in.f32"), 2, "at least one --codec"},
       {"stats --codec topk:density=2 " + dir.file("in.f32"), 2, "density=2 is invalid"},
-      {"stats --codec powersgd " + dir.file("in.f32"), 2, "unknown codec family \"powersgd\""},
+      {"stats --codec powersgd:rank=0 " + dir.file("in.f32"), 2, "rank=0 is out of range"},
+      {"stats --codec powersgd " + dir.file("in.f32"), 2, "needs the matrix shape: --shape NxM"},
+      {"stats --codec powersgd --shape 30x " + dir.file("in.f32"), 2, "--shape"},
+      {"stats --codec powersgd --shape 0x30 " + dir.file("in.f32"), 2, "each side must be at least 1"},
+      {"stats --codec powersgd:rows=20 --shape 30x100 " + dir.file("in.f32"), 2, "rows=20 disagrees with --shape"},
+      {"stats --codec powersgd --shape 30x99 " + dir.file("in.f32"), 1, "3000 values, but --shape 30x99 makes 2970"},
+      {"decode --shape 3x1000 " + dir.file("x.lgc") + " " + dir.file("o.f32"), 2, "unknown option --shape"},
       {"info " + dir.file("short.lgc"), 1, "truncated"},
   };
   for (const Case& c : cases) {

@@ -90,7 +90,7 @@ BOOST_AUTO_TEST_CASE(bad_specs_name_what_is_wrong) {
       {"topk:density=.5", "density=.5"},              {"topk:density=1.", "density=1."},
       {"topk:density=0.0000000001", "at most 9 digits"}, {"topk:k=10", "unknown option \"k\" for topk"},
       {"topk:density=0.1,density=0.2", "given twice"}, {"topk:", "nothing after ':'"},
-      {"top", "unknown codec family \"top\"; expected none, quant or topk"}};
+      {"top", "unknown codec family \"top\"; expected none, quant, topk or powersgd"}};
   for (const auto& [spec, message] : cases) {
     BOOST_TEST_CONTEXT(spec) {
       try {
