@@ -97,6 +97,7 @@ std::string apply_candidates(Params& p, const std::string& text) {
     if (item.empty()) return "an empty item in the list";
     try {
       const CodecSpec spec = CodecSpec::parse(item);
+      if (std::string problem = training_spec_problem(spec); !problem.empty()) return problem;
       if (std::find(p.candidates.begin(), p.candidates.end(), spec) != p.candidates.end())
         return "\"" + item + "\" is listed twice";
       p.candidates.push_back(spec);
@@ -124,6 +125,17 @@ std::vector<CodecSpec> auto_candidates(const CodecSpec& codec) {
       if (ppb == 0 || ppb > TopkParams::kPartsPerUnit) continue;
       const CodecSpec c = CodecSpec::topk(TopkParams{static_cast<uint32_t>(ppb)});
       if (std::find(out.begin(), out.end(), c) == out.end()) out.push_back(c);
+    }
+    return out;
+  }
+  if (codec.family() == CodecFamily::kPowersgd) {
+    // Every rank in [floor(r0 / 2), ceil(2 r0)], as the L-GreCo reference's search.
+    std::vector<CodecSpec> out;
+    PowersgdParams p = codec.powersgd_params();
+    const uint32_t r0 = p.rank;
+    for (uint32_t r = std::max(1u, r0 / 2); r <= std::min(PowersgdParams::kMaxRank, 2 * r0); ++r) {
+      p.rank = r;
+      out.push_back(CodecSpec::powersgd(p));
     }
     return out;
   }
@@ -171,6 +183,7 @@ const ParamInfo kParamTable[] = {
      [](Params& p, const std::string& v) {
        try {
          p.codec = CodecSpec::parse(v);
+         if (std::string problem = training_spec_problem(p.codec); !problem.empty()) return problem;
          return std::string();
        } catch (const CodecError& e) {
          return std::string(e.what());
@@ -179,8 +192,10 @@ const ParamInfo kParamTable[] = {
     {"LGRECO_CANDIDATES", "auto", "`auto`, or codec specs separated by `;` (at most 32)",
      "The codecs L-GreCo chooses from, of one family or several (each layer then gets the family and parameter "
      "that cost least within the budget). `auto`: for a `quant` default, 2 to 8 bits with its bucket and "
-     "rounding; for a `topk` default, its density times 0.1, 0.25, 0.5, 1, 2 and 5 (up to 1). The default codec "
-     "is always a candidate.",
+     "rounding; for a `topk` default, its density times 0.1, 0.25, 0.5, 1, 2 and 5 (up to 1); for a `powersgd` "
+     "default of rank r, every rank from r/2 to 2r. The default codec is always a candidate. A `powersgd` "
+     "candidate applies only to layers registered with a shape of two or more dimensions whose factors are smaller "
+     "than the layer; elsewhere the layer's default becomes `none`.",
      apply_candidates},
     {"LGRECO_ALPHA", "1", "a number > 0 and <= 1000",
      "The error budget: total error <= alpha x the total error of the default codec on every layer.",

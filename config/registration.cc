@@ -30,6 +30,8 @@ CompressRule parse_compress(const std::string& text, const std::string& path) {
   } catch (const CodecError& e) {
     throw JsonError(path + ": " + e.what() + " (expected \"auto\", \"never\" or a codec spec)");
   }
+  if (const std::string problem = training_spec_problem(rule.codec); !problem.empty())
+    throw JsonError(path + ": " + problem);
   rule.kind = CompressRule::Kind::kPinned;
   return rule;
 }
@@ -130,6 +132,10 @@ void validate_bucket(const RegisteredBucket& bucket, size_t b, std::map<std::str
                         (fits ? num(product) : std::string("more than 2^64")) + " elements, but numel is " +
                         num(layer.numel));
     }
+    if (layer.compress.kind == CompressRule::Kind::kPinned && layer.compress.codec.family() == CodecFamily::kPowersgd &&
+        (!layer.has_shape || layer.shape.size() < 2 || layer.shape[0] == 0))
+      throw JsonError(label + ".compress: " + layer.compress.codec.str() +
+                      " needs the layer as a matrix: give it a shape of two or more dimensions");
   }
   if (next != bucket.count)
     throw JsonError(path + ": the layers hold " + num(next) + " elements, but count is " + num(bucket.count));

@@ -154,6 +154,14 @@ CodecSpec CodecSpec::powersgd(const PowersgdParams& p) {
   return CodecSpec{p};
 }
 
+std::string training_spec_problem(const CodecSpec& spec) {
+  if (spec.family() == CodecFamily::kPowersgd && spec.powersgd_params().rows != 0)
+    return "codec spec \"" + spec.str() +
+           "\": rows= is for standalone encodings (lgreco-codec --shape); in training each layer's registered "
+           "shape gives its rows";
+  return "";
+}
+
 std::string density_text(uint32_t ppb) {
   if (ppb >= TopkParams::kPartsPerUnit) return "1";
   std::string digits = std::to_string(ppb);

@@ -107,6 +107,10 @@ struct CodecSpec {
 
 const char* family_name(CodecFamily f);
 const char* rounding_name(Rounding r);
+// "" when `spec` may name a layer's codec in training, else why not: powersgd with rows=
+// (a standalone encoding's matrix view; in training each layer's registered shape gives
+// it).
+std::string training_spec_problem(const CodecSpec& spec);
 // "0.01" for 10,000,000 parts per billion: the shortest decimal that parses back.
 std::string density_text(uint32_t density_ppb);
 

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <stdexcept>
 #include <string>
 
 #include "kernels/codec_spec.h"
@@ -136,6 +137,61 @@ class Backend {
   // makes every rank pass through (switching to an assignment). Throws std::bad_alloc.
   virtual void prepare_measure(const Plan& plan, std::span<const CodecSpec> candidates) {
     (void)plan, (void)candidates;
+  }
+
+  // Low-rank (PowerSGD) layers, exchanged apart (docs/ENGINE.md): per step, with M the
+  // layer's input + residual as a rows x cols row-major matrix (no residual where the
+  // layer's flag is set) and Q its warm-started factor:
+  //   lowrank_project:        P = M Q
+  //   (the engine sums P across ranks)
+  //   lowrank_orthonormalize: P's columns by Gram-Schmidt (kernels/lowrank.h)
+  //   lowrank_back_project:   Q' = M^T P, and the residual becomes M - P Q'^T (unflagged)
+  //   (the engine sums Q' across ranks)
+  //   lowrank_reconstruct:    out = scale x P Q'^T, narrowed to out's type
+  //   lowrank_keep:           Q = Q', except that a column of Q' that is zero or not
+  //                           finite restarts from Q0's (so no direction is lost for good)
+  // The arithmetic is kernels/lowrank.h's; a GPU agrees within docs/KERNELS.md's tolerance.
+  // P, Q, Q' and Q0 are float32 arrays in backend memory, each layer's at its offsets.
+  struct LowRankLayer {
+    uint32_t layer = 0;        // index in the bucket (flags)
+    uint64_t offset = 0;       // first element, within the call
+    uint64_t rows = 0, cols = 0;
+    uint32_t rank = 0;
+    uint64_t p_offset = 0;     // floats, into P (rows x rank)
+    uint64_t q_offset = 0;     // floats, into Q, Q' and Q0 (cols x rank)
+  };
+  virtual void lowrank_project(std::span<const LowRankLayer> layers, ElementSpan input, const float* residual,
+                               const uint8_t* flags, const float* q, float* p) {
+    (void)layers, (void)input, (void)residual, (void)flags, (void)q, (void)p;
+    throw std::logic_error(name() + " backend: no low-rank operations");
+  }
+  virtual void lowrank_orthonormalize(std::span<const LowRankLayer> layers, float* p) {
+    (void)layers, (void)p;
+    throw std::logic_error(name() + " backend: no low-rank operations");
+  }
+  virtual void lowrank_back_project(std::span<const LowRankLayer> layers, ElementSpan input, float* residual,
+                                    const uint8_t* flags, const float* p, float* q) {
+    (void)layers, (void)input, (void)residual, (void)flags, (void)p, (void)q;
+    throw std::logic_error(name() + " backend: no low-rank operations");
+  }
+  virtual void lowrank_reconstruct(std::span<const LowRankLayer> layers, const float* p, const float* q, float scale,
+                                   ElementSpan out) {
+    (void)layers, (void)p, (void)q, (void)scale, (void)out;
+    throw std::logic_error(name() + " backend: no low-rank operations");
+  }
+  virtual void lowrank_keep(std::span<const LowRankLayer> layers, const float* q_new, const float* q0, float* q) {
+    (void)layers, (void)q_new, (void)q0, (void)q;
+    throw std::logic_error(name() + " backend: no low-rank operations");
+  }
+  // The squared error of each low-rank candidate (those m.candidate_mask marks) on each
+  // layer, ADDED to m.squared as measure() does: rank r's error is that of one power
+  // iteration from the seeded start of the largest rank measured, Q0 of
+  // {seed, layer_base + layer, step} (kernels/lowrank.h, squared_errors). The layers'
+  // `rank` and offsets are not used.
+  virtual void measure_lowrank(std::span<const LowRankLayer> layers, ElementSpan input, const float* residual,
+                               const NoiseBase& key, const Measure& m) {
+    (void)layers, (void)input, (void)residual, (void)key, (void)m;
+    throw std::logic_error(name() + " backend: no low-rank operations");
   }
 
   // Timing without waiting, for the time objective and the counters: mark() enqueues a

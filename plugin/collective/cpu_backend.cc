@@ -1,9 +1,11 @@
 #include "plugin/collective/cpu_backend.h"
 
 #include <chrono>
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
+#include "kernels/lowrank.h"
 #include "kernels/quant_math.h"
 
 namespace lgreco::collective {
@@ -140,15 +142,113 @@ void CpuBackend::narrow(const float* acc, uint64_t n, ElementSpan out) {
 void CpuBackend::measure(const Plan&, std::span<const Segment> segments, ElementSpan input, const float* residual,
                          uint64_t residual_first, const Measure& m) {
   const size_t c = m.candidates.size();
+  std::vector<CodecSpec> specs;
+  std::vector<size_t> columns;
+  for (size_t k = 0; k < c; ++k)
+    if (m.candidate_mask.empty() || m.candidate_mask[k]) specs.push_back(m.candidates[k]), columns.push_back(k);
+  if (specs.empty()) return;
   for (const Segment& s : segments) {
     if (!m.measured[s.layer]) continue;
     const float* r = residual ? residual + (s.offset - residual_first) : nullptr;
     const CandidateReport report =
-        measure_candidates(m.candidates, input.dtype, Slice{element_ptr(input, s.offset), s.count, s.first_element}, r);
+        measure_candidates(specs, input.dtype, Slice{element_ptr(input, s.offset), s.count, s.first_element}, r);
     if (report.nonfinite_buckets) m.nonfinite[s.layer] = 1;
-    for (size_t k = 0; k < c; ++k)
-      if (m.candidate_mask.empty() || m.candidate_mask[k])
-        m.squared[s.layer * c + k] += m.weight * report.candidates[k].squared_error;
+    for (size_t k = 0; k < specs.size(); ++k)
+      m.squared[s.layer * c + columns[k]] += m.weight * report.candidates[k].squared_error;
+  }
+}
+
+namespace {
+
+// M of a low-rank layer: input + residual in float32 (no residual where flagged).
+std::vector<float> matrix_of(const Backend::LowRankLayer& l, ElementSpan input, const float* residual,
+                             const uint8_t* flags) {
+  const uint64_t n = l.rows * l.cols;
+  std::vector<float> x(n);
+  const void* data = element_ptr(input, l.offset);
+  const float* r = residual && !(flags && flags[l.layer]) ? residual + l.offset : nullptr;
+  for (uint64_t i = 0; i < n; ++i) {
+    const float v = load_as_float(data, input.dtype, i);
+    x[i] = r ? v + r[i] : v;
+  }
+  return x;
+}
+
+}  // namespace
+
+void CpuBackend::lowrank_project(std::span<const LowRankLayer> layers, ElementSpan input, const float* residual,
+                                 const uint8_t* flags, const float* q, float* p) {
+  for (const LowRankLayer& l : layers) {
+    const std::vector<float> x = matrix_of(l, input, residual, flags);
+    lowrank::project(x.data(), {l.rows, l.cols}, q + l.q_offset, l.rank, p + l.p_offset);
+  }
+}
+
+void CpuBackend::lowrank_orthonormalize(std::span<const LowRankLayer> layers, float* p) {
+  for (const LowRankLayer& l : layers) lowrank::orthonormalize(p + l.p_offset, l.rows, l.rank);
+}
+
+void CpuBackend::lowrank_back_project(std::span<const LowRankLayer> layers, ElementSpan input, float* residual,
+                                      const uint8_t* flags, const float* p, float* q) {
+  for (const LowRankLayer& l : layers) {
+    const std::vector<float> x = matrix_of(l, input, residual, flags);
+    const lowrank::Shape shape{l.rows, l.cols};
+    lowrank::back_project(x.data(), shape, p + l.p_offset, l.rank, q + l.q_offset);
+    if (!residual || (flags && flags[l.layer])) continue;
+    // Error feedback: what this rank's own factors miss, M - P (M^T P)^T.
+    std::vector<float> approx(x.size());
+    lowrank::reconstruct(p + l.p_offset, q + l.q_offset, shape, l.rank, 1.0f, approx.data());
+    float* r = residual + l.offset;
+    for (size_t i = 0; i < x.size(); ++i) r[i] = x[i] - approx[i];
+  }
+}
+
+void CpuBackend::lowrank_reconstruct(std::span<const LowRankLayer> layers, const float* p, const float* q, float scale,
+                                     ElementSpan out) {
+  for (const LowRankLayer& l : layers) {
+    std::vector<float> values(l.rows * l.cols);
+    lowrank::reconstruct(p + l.p_offset, q + l.q_offset, {l.rows, l.cols}, l.rank, scale, values.data());
+    void* dst = element_ptr_mut(out, l.offset);
+    for (size_t i = 0; i < values.size(); ++i) store_from_float(dst, out.dtype, i, quant::canonical_nan(values[i]));
+  }
+}
+
+void CpuBackend::lowrank_keep(std::span<const LowRankLayer> layers, const float* q_new, const float* q0, float* q) {
+  for (const LowRankLayer& l : layers)
+    for (uint32_t c = 0; c < l.rank; ++c) {
+      bool usable = false, finite = true;
+      for (uint64_t j = 0; j < l.cols; ++j) {
+        const float v = q_new[l.q_offset + j * l.rank + c];
+        usable |= v != 0.0f;
+        finite &= quant::is_finite_value(v);
+      }
+      const float* from = usable && finite ? q_new : q0;
+      for (uint64_t j = 0; j < l.cols; ++j) q[l.q_offset + j * l.rank + c] = from[l.q_offset + j * l.rank + c];
+    }
+}
+
+void CpuBackend::measure_lowrank(std::span<const LowRankLayer> layers, ElementSpan input, const float* residual,
+                                 const NoiseBase& key, const Measure& m) {
+  const size_t c = m.candidates.size();
+  std::vector<uint32_t> ranks;
+  std::vector<size_t> columns;
+  uint32_t basis_rank = 0;
+  for (size_t k = 0; k < c; ++k)
+    if (m.candidates[k].family() == CodecFamily::kPowersgd && (m.candidate_mask.empty() || m.candidate_mask[k])) {
+      ranks.push_back(m.candidates[k].powersgd_params().rank);
+      columns.push_back(k);
+      basis_rank = std::max(basis_rank, ranks.back());
+    }
+  if (ranks.empty()) return;
+  std::vector<double> errors(ranks.size());
+  for (const LowRankLayer& l : layers) {
+    if (!m.measured[l.layer]) continue;
+    const std::vector<float> x = matrix_of(l, input, residual, nullptr);
+    std::vector<float> basis(l.cols * basis_rank);
+    lowrank::initial_q(NoiseKey{key.seed, 0, key.step, key.layer_base + l.layer}, l.cols, basis_rank, basis.data());
+    if (!lowrank::squared_errors(x.data(), {l.rows, l.cols}, basis.data(), basis_rank, ranks, errors))
+      m.nonfinite[l.layer] = 1;
+    for (size_t k = 0; k < ranks.size(); ++k) m.squared[l.layer * c + columns[k]] += m.weight * errors[k];
   }
 }
 

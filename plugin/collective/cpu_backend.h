@@ -39,6 +39,16 @@ class CpuBackend final : public Backend {
   void narrow(const float* acc, uint64_t n, ElementSpan out) override;
   void measure(const Plan& plan, std::span<const Segment> segments, ElementSpan input, const float* residual,
                uint64_t residual_first, const Measure& m) override;
+  void lowrank_project(std::span<const LowRankLayer> layers, ElementSpan input, const float* residual,
+                       const uint8_t* flags, const float* q, float* p) override;
+  void lowrank_orthonormalize(std::span<const LowRankLayer> layers, float* p) override;
+  void lowrank_back_project(std::span<const LowRankLayer> layers, ElementSpan input, float* residual,
+                            const uint8_t* flags, const float* p, float* q) override;
+  void lowrank_reconstruct(std::span<const LowRankLayer> layers, const float* p, const float* q, float scale,
+                           ElementSpan out) override;
+  void lowrank_keep(std::span<const LowRankLayer> layers, const float* q_new, const float* q0, float* q) override;
+  void measure_lowrank(std::span<const LowRankLayer> layers, ElementSpan input, const float* residual,
+                       const NoiseBase& key, const Measure& m) override;
 
   // Marks are the steady clock in nanoseconds: passed as soon as they exist.
   uint64_t mark() override;

@@ -7,6 +7,7 @@
 
 #include "config/log.h"
 #include "controller/settings.h"
+#include "kernels/lowrank.h"
 
 namespace lgreco::collective {
 
@@ -16,7 +17,8 @@ namespace {
 // The gathered part of an sra call (TopK layers) has its own, so that nothing it stages
 // can alias the sra part's buffers.
 enum Scratch : int {
-  kSend = 0, kRecv, kAcc, kReencoded, kGathered, kStats, kPartSend, kPartGathered, kPartAcc, kScratchCount
+  kSend = 0, kRecv, kAcc, kReencoded, kGathered, kStats, kPartSend, kPartGathered, kPartAcc, kLowRankP, kLowRankQ,
+  kScratchCount
 };
 
 // Below this many encoded bytes per call, auto prefers all-gather's single round.
@@ -41,7 +43,7 @@ uint64_t layouts_digest(const std::vector<BucketLayout>& buckets) {
   for (const BucketLayout& b : buckets) {
     text += std::to_string(b.count) + ":" + dtype_name(b.dtype) + "{";
     for (const LayerLayout& l : b.layers) {
-      text += l.name + "@" + std::to_string(l.offset) + "+" + std::to_string(l.numel) + "[";
+      text += l.name + "@" + std::to_string(l.offset) + "+" + std::to_string(l.numel) + "/" + std::to_string(l.rows) + "[";
       for (const CodecSpec& c : l.candidates) text += c.str() + ";";
       text += "]" + std::to_string(l.default_index) + ",";
     }
@@ -106,15 +108,6 @@ EngineOptions EngineOptions::from_params(const config::Params& p, int rank) {
     o.valid = false;
     if (o.invalid_reason.empty()) o.invalid_reason = e.what();
   }
-  // PowerSGD parses (lgreco-codec runs it), but this engine has no low-rank exchange yet.
-  for (const CodecSpec& c : o.candidates)
-    if (c.family() == CodecFamily::kPowersgd || o.codec.family() == CodecFamily::kPowersgd) {
-      o.valid = false;
-      if (o.invalid_reason.empty())
-        o.invalid_reason = "powersgd is not exchanged by this version of the engine (lgreco-codec encodes it); "
-                           "use quant or topk";
-      break;
-    }
   if (o.controller.objective == controller::Objective::kTime &&
       std::find(o.candidates.begin(), o.candidates.end(), CodecSpec::none()) == o.candidates.end())
     o.candidates.push_back(CodecSpec::none());
@@ -143,20 +136,37 @@ BucketLayout layout_from_registration(const config::RegisteredBucket& bucket, co
     l.name = layer.name;
     l.offset = layer.offset;
     l.numel = layer.numel;
+    if (layer.has_shape && layer.shape.size() >= 2 && layer.shape[0] > 0 && layer.numel % layer.shape[0] == 0)
+      l.rows = layer.shape[0];
+    // A low-rank codec applies where the layer is a matrix and its factors are smaller
+    // than it (the L-GreCo reference's rule, config::low_rank_pays_off).
+    auto applies = [&](const CodecSpec& c) {
+      return c.family() != CodecFamily::kPowersgd ||
+             (l.rows > 0 && config::low_rank_pays_off(layer, c.powersgd_params().rank));
+    };
     const config::LayerPolicy policy = config::layer_policy(layer);
     switch (policy.kind) {
       case config::LayerPolicy::Kind::kNever: l.candidates = {CodecSpec::none()}; break;
-      case config::LayerPolicy::Kind::kPinned: l.candidates = {policy.codec}; break;
-      case config::LayerPolicy::Kind::kAdaptive:
+      case config::LayerPolicy::Kind::kPinned:
+        // Pinned by the user: kept even where its factors are large (the registration
+        // refuses a pinned powersgd on a layer without a matrix shape).
+        l.candidates = {policy.codec};
+        break;
+      case config::LayerPolicy::Kind::kAdaptive: {
+        // The default where it applies, else `none` (a layer low rank does not pay on
+        // stays uncompressed, as in the reference).
+        const CodecSpec fallback = applies(options.codec) ? options.codec : CodecSpec::none();
         if (options.mode == config::Mode::kAdaptive) {
-          l.candidates = options.candidates;
-          l.default_index = static_cast<uint32_t>(
-              std::find(l.candidates.begin(), l.candidates.end(), options.codec) - l.candidates.begin());
-          if (l.default_index == l.candidates.size()) l.candidates.push_back(options.codec);
+          for (const CodecSpec& c : options.candidates)
+            if (applies(c)) l.candidates.push_back(c);
+          l.default_index = static_cast<uint32_t>(std::find(l.candidates.begin(), l.candidates.end(), fallback) -
+                                                  l.candidates.begin());
+          if (l.default_index == l.candidates.size()) l.candidates.push_back(fallback);
         } else {
-          l.candidates = {options.codec};
+          l.candidates = {fallback};
         }
         break;
+      }
     }
     out.layers.push_back(std::move(l));
   }
@@ -178,7 +188,7 @@ struct Engine::Sample {
 // The marks around one call's exchanges and codec operations, read when the queue has
 // passed them.
 struct Engine::CallTiming {
-  static constexpr int kMaxIntervals = 8;
+  static constexpr int kMaxIntervals = 12;  // sra (2 + 4), gathered (1 + 2), low rank (2 + 3)
   uint64_t exchange[kMaxIntervals][2] = {}, codec[kMaxIntervals][2] = {};
   int exchanges = 0, codecs = 0;
   bool in_window = false;       // feeds the time objective's cost model
@@ -238,6 +248,7 @@ struct Engine::BucketState {
   uint32_t layer_base = 0;            // global index of layer 0 (noise keys)
   std::vector<int32_t> controller_of;  // per layer: index among the controller's layers, or -1
   std::vector<uint8_t> measured;       // per layer: 1 if adaptive (its candidates are measured)
+  std::vector<std::vector<uint32_t>> columns;  // per layer: its candidates' columns in the statistics
   std::unique_ptr<Backend::Buffer> residual;        // error feedback of this rank's encodings
   std::unique_ptr<Backend::Buffer> owner_residual;  // sra: of the owner's re-encoding
   uint64_t owner_begin = 0, owner_end = 0;          // the elements owner_residual covers
@@ -252,8 +263,16 @@ struct Engine::BucketState {
   std::optional<ExchangeSizes> sizes;           // of plan
   std::vector<uint64_t> gathered_bytes;         // per rank, of gathered
   uint64_t encoded_bytes = 0;                   // one encoding of the call: plan + gathered
-  // Adaptive layers by the exchange of their current codec (1 = measured in that group).
-  std::vector<uint8_t> measured_reduce, measured_gather;
+  // Adaptive layers by the exchange of their current codec (1 = measured in that group):
+  // reduced by sra, or not (gathered or low rank).
+  std::vector<uint8_t> measured_reduce, measured_unreduced;
+  // Low rank (docs/ENGINE.md): the layers whose codec is powersgd now, with offsets into
+  // P and Q; their warm-started Q and the seeded Q0 it restarts from; the floats of P and
+  // Q per call. lowrank_measured: the adaptive layers with a powersgd candidate.
+  std::vector<Backend::LowRankLayer> lowrank, lowrank_measured;
+  std::vector<Segment> lowrank_segments;  // of `whole`, for the non-finite check
+  std::unique_ptr<Backend::Buffer> q_warm, q0;
+  uint64_t p_floats = 0, q_floats = 0;
   double quant_elements = 0;  // elements of layers whose codec quantizes
 };
 
@@ -270,33 +289,38 @@ Engine::Engine(EngineOptions options, std::vector<BucketLayout> buckets, Fabric&
     for (const LayerLayout& l : buckets_[b].layers) {
       state->controller_of.push_back(-1);
       state->measured.push_back(0);
+      state->columns.emplace_back();
       if (!l.adaptive()) continue;
-      if (measured_candidates_.empty()) {
-        measured_candidates_ = l.candidates;
-        for (const CodecSpec& c : measured_candidates_) {
-          const bool gather = exchange_of(c) == Exchange::kGather;
-          gather_candidates_.push_back(gather ? 1 : 0);
-          reduce_candidates_.push_back(gather ? 0 : 1);
+      // Every measured candidate has one column of the statistics; a layer measures the
+      // union of all layers' lists (a low-rank codec is a candidate only on matrices where
+      // it pays off) and reads back its own columns.
+      for (const CodecSpec& c : l.candidates) {
+        auto it = std::find(measured_candidates_.begin(), measured_candidates_.end(), c);
+        if (it == measured_candidates_.end()) {
+          it = measured_candidates_.insert(measured_candidates_.end(), c);
+          const Exchange e = exchange_of(c);
+          gather_candidates_.push_back(e == Exchange::kGather ? 1 : 0);
+          reduce_candidates_.push_back(e == Exchange::kReduce ? 1 : 0);
+          lowrank_candidates_.push_back(e == Exchange::kLowRank ? 1 : 0);
+          not_lowrank_candidates_.push_back(e == Exchange::kLowRank ? 0 : 1);
         }
+        state->columns.back().push_back(static_cast<uint32_t>(it - measured_candidates_.begin()));
       }
-      if (l.candidates != measured_candidates_)
-        throw std::invalid_argument("engine: adaptive layers must share one candidate list (layer " + l.name + ")");
+      if (l.rows > 0 && std::any_of(l.candidates.begin(), l.candidates.end(), [](const CodecSpec& c) {
+            return c.family() == CodecFamily::kPowersgd;
+          })) {
+        Backend::LowRankLayer m;
+        m.layer = static_cast<uint32_t>(state->columns.size() - 1);
+        m.offset = l.offset;
+        m.rows = l.rows;
+        m.cols = l.numel / l.rows;
+        state->lowrank_measured.push_back(m);
+      }
       controller::Layer layer;
       layer.name = std::to_string(b) + "/" + l.name;
       layer.numel = l.numel;
       layer.default_index = l.default_index;
-      for (const CodecSpec& c : l.candidates) {
-        uint64_t bytes = 0;
-        try {
-          bytes = encoded_bytes(c, buckets_[b].dtype, l.numel);
-        } catch (const std::invalid_argument& e) {
-          // A codec this engine cannot size (from_params refuses it too): this rank takes
-          // part in the agreement as one whose configuration is invalid.
-          options_.valid = false;
-          if (options_.invalid_reason.empty()) options_.invalid_reason = e.what();
-        }
-        layer.candidates.push_back({c.str(), bytes, 0.0});
-      }
+      for (const CodecSpec& c : l.candidates) layer.candidates.push_back({c.str(), encoded_bytes(c, buckets_[b].dtype, l), 0.0});
       state->controller_of.back() = static_cast<int32_t>(layers.size());
       state->measured.back() = 1;
       controller_names_.push_back(layer.name);
@@ -427,6 +451,7 @@ std::string Engine::agree(uint64_t assignment, bool local_ok, const std::string&
 void Engine::switch_to(std::shared_ptr<const controller::Assignment> assignment) {
   const int n = fabric_.size();
   uint64_t send = 0, recv = 0, acc = 0, reencoded = 0, gathered = 0, part_send = 0, part_acc = 0;
+  uint64_t lowrank_p = 0, lowrank_q = 0;  // floats
   for (size_t b = 0; b < buckets_.size(); ++b) {
     BucketState& s = *state_of_[b];
     const BucketLayout& layout = buckets_[b];
@@ -440,23 +465,30 @@ void Engine::switch_to(std::shared_ptr<const controller::Assignment> assignment)
       s.codecs.push_back(layer.candidates[choice]);
       if (s.codecs.back().family() == CodecFamily::kQuant) s.quant_elements += static_cast<double>(layer.numel);
     }
-    std::vector<uint8_t> reduce_layers(layout.layers.size()), gather_layers(layout.layers.size());
-    s.measured_reduce.assign(layout.layers.size(), 0);
-    s.measured_gather.assign(layout.layers.size(), 0);
-    for (size_t l = 0; l < layout.layers.size(); ++l) {
-      const bool gather = exchange_of(s.codecs[l]) == Exchange::kGather;
-      gather_layers[l] = gather ? 1 : 0;
-      reduce_layers[l] = gather ? 0 : 1;
-      (gather ? s.measured_gather : s.measured_reduce)[l] = s.measured[l];
+    const size_t layers = layout.layers.size();
+    std::vector<uint8_t> reduce_layers(layers), gather_layers(layers), lowrank_layers(layers), not_lowrank(layers);
+    s.measured_reduce.assign(layers, 0);
+    s.measured_unreduced.assign(layers, 0);
+    for (size_t l = 0; l < layers; ++l) {
+      const Exchange e = exchange_of(s.codecs[l]);
+      gather_layers[l] = e == Exchange::kGather;
+      reduce_layers[l] = e == Exchange::kReduce;
+      lowrank_layers[l] = e == Exchange::kLowRank;
+      not_lowrank[l] = !lowrank_layers[l];
+      (e == Exchange::kReduce ? s.measured_reduce : s.measured_unreduced)[l] = s.measured[l];
     }
+    const bool any_lowrank = std::find(lowrank_layers.begin(), lowrank_layers.end(), 1) != lowrank_layers.end();
     s.whole = make_plan(layout, s.codecs, 1);
+    switch_lowrank(static_cast<uint32_t>(b), lowrank_layers);
+    lowrank_p = std::max(lowrank_p, s.p_floats);
+    lowrank_q = std::max(lowrank_q, s.q_floats);
     s.algorithm = options_.algorithm;
     if (s.algorithm == Algorithm::kAuto)
       s.algorithm = n <= 2 || s.whole.total_bytes <= kSmallEncoding ? Algorithm::kAllGather
                                                                     : Algorithm::kScatterReduceAllGather;
     s.gathered = Plan{};
     if (s.algorithm == Algorithm::kAllGather) {
-      s.plan = s.whole;
+      s.plan = any_lowrank ? make_plan(layout, s.codecs, 1, not_lowrank) : s.whole;
       // A later return to sra must not find a residual many steps old.
       s.owner_residual.reset();
       s.owner_begin = s.owner_end = 0;
@@ -479,7 +511,7 @@ void Engine::switch_to(std::shared_ptr<const controller::Assignment> assignment)
     }
     s.sizes.emplace(s.plan, s.algorithm, n, fabric_.rank(), layout.count);
     s.gathered_bytes.assign(n, s.gathered.total_bytes);
-    s.encoded_bytes = s.plan.total_bytes + s.gathered.total_bytes;
+    s.encoded_bytes = s.plan.total_bytes + s.gathered.total_bytes + 4 * (s.p_floats + s.q_floats);
     if (!s.gathered.segments.empty()) {
       const Segment& first = s.gathered.segments.front();
       const Segment& last = s.gathered.segments.back();
@@ -509,12 +541,65 @@ void Engine::switch_to(std::shared_ptr<const controller::Assignment> assignment)
   scratch(kAcc, acc);
   scratch(kReencoded, reencoded);
   scratch(kGathered, gathered);
+  if (lowrank_p) {
+    scratch(kLowRankP, lowrank_p * 4);
+    scratch(kLowRankQ, lowrank_q * 4);
+  }
   if (part_send) {
     scratch(kPartSend, part_send);
     scratch(kPartGathered, part_send * n);
     scratch(kPartAcc, part_acc);
   }
   assignment_ = std::move(assignment);
+}
+
+// The low-rank layers of a bucket under its new codecs: offsets into P and Q, and the
+// warm-started Q. A layer that stays low rank at the same rank keeps its Q (the warm start
+// survives a re-solve); any other starts from Q0, which every rank derives from the shared
+// seed and the layer's global index, so that every rank holds the same Q.
+void Engine::switch_lowrank(uint32_t bucket, std::span<const uint8_t> lowrank_layers) {
+  BucketState& s = *state_of_[bucket];
+  const BucketLayout& layout = buckets_[bucket];
+  std::vector<Backend::LowRankLayer> next;
+  uint64_t p = 0, q = 0;
+  for (size_t l = 0; l < layout.layers.size(); ++l) {
+    if (!lowrank_layers[l]) continue;
+    Backend::LowRankLayer x;
+    x.layer = static_cast<uint32_t>(l);
+    x.offset = layout.layers[l].offset;
+    x.rows = layout.layers[l].rows;
+    x.cols = layout.layers[l].numel / x.rows;
+    x.rank = s.codecs[l].powersgd_params().rank;
+    x.p_offset = p;
+    x.q_offset = q;
+    p += x.rows * x.rank;
+    q += x.cols * x.rank;
+    next.push_back(x);
+  }
+  std::unique_ptr<Backend::Buffer> q_warm, q0;
+  if (!next.empty()) {
+    q_warm = backend_.allocate(q * 4);
+    q0 = backend_.allocate(q * 4);
+    std::vector<float> host(q);
+    for (const Backend::LowRankLayer& x : next)
+      lowrank::initial_q(NoiseKey{options_.seed, 0, 0, s.layer_base + x.layer}, x.cols, x.rank, host.data() + x.q_offset);
+    backend_.upload(q0->data(), host.data(), q * 4);
+    backend_.copy(q_warm->data(), q0->data(), q * 4);
+    for (const Backend::LowRankLayer& x : next)
+      for (const Backend::LowRankLayer& old : s.lowrank)
+        if (old.layer == x.layer && old.rank == x.rank)
+          backend_.copy(static_cast<float*>(q_warm->data()) + x.q_offset,
+                        static_cast<float*>(s.q_warm->data()) + old.q_offset, x.cols * x.rank * 4);
+  }
+  s.lowrank = std::move(next);
+  s.q_warm = std::move(q_warm);
+  s.q0 = std::move(q0);
+  s.p_floats = p;
+  s.q_floats = q;
+  s.lowrank_segments.clear();
+  for (const Backend::LowRankLayer& x : s.lowrank)
+    for (const Segment& seg : s.whole.segments)
+      if (seg.layer == x.layer) s.lowrank_segments.push_back(seg);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -635,17 +720,23 @@ CallOutcome Engine::run(const EngineCall& call) {
   timing.quant_elements = b.quant_elements;
   timing.encoded_bytes = static_cast<double>(b.encoded_bytes);
 
+  if (sample) measure_lowrank(b, call, *sample);
   if (b.algorithm == Algorithm::kAllGather) {
-    // Every layer whole: every candidate is measured as this algorithm would send it.
-    if (sample) backend_.measure(b.plan, b.plan.segments, ElementSpan{const_cast<void*>(call.send), call.dtype, 0},
-                                 b.residual ? static_cast<float*>(b.residual->data()) : nullptr, 0,
-                                 first_stage_measure(*sample, call.op));
-    all_gather(b.plan, b, call, timing);
+    // Every layer whole: every candidate but the low-rank ones is measured as this
+    // algorithm would send it.
+    if (sample) {
+      Backend::Measure m = first_stage_measure(*sample, call.op);
+      if (lowrank_candidates_any()) m.candidate_mask = not_lowrank_candidates_;
+      backend_.measure(b.whole, b.whole.segments, ElementSpan{const_cast<void*>(call.send), call.dtype, 0},
+                       b.residual ? static_cast<float*>(b.residual->data()) : nullptr, 0, m);
+    }
+    if (b.plan.total_bytes > 0) all_gather(b.plan, b, call, timing);
   } else {
     if (sample) measure_whole_layers(b, call, *sample);
     if (!b.gathered.segments.empty()) all_gather(b.gathered, b, call, timing);
     if (b.plan.total_bytes > 0) reduce_scatter_allgather(b, call, sample, timing);
   }
+  if (!b.lowrank.empty()) low_rank(b, call, timing);
 
   if (sample) finish_sample();
   timings_.push_back(timing);
@@ -726,11 +817,13 @@ void Engine::collect_samples(bool wait) {
     const size_t c = measured_candidates_.size();
     auto* squared = static_cast<double*>(s.host->data());
     const uint8_t* nonfinite = reinterpret_cast<const uint8_t*>(squared + b.controller_of.size() * c);
+    std::vector<double> values;
     for (size_t l = 0; l < b.controller_of.size(); ++l) {
       const int32_t k = b.controller_of[l];
       if (k < 0) continue;
-      std::span<double> values(squared + l * c, c);
-      if (nonfinite[l]) std::fill(values.begin(), values.end(), std::numeric_limits<double>::infinity());
+      values.clear();
+      for (uint32_t column : b.columns[l])
+        values.push_back(nonfinite[l] ? std::numeric_limits<double>::infinity() : squared[l * c + column]);
       stats_->add(static_cast<size_t>(k), values);  // a non-finite sample is counted as skipped
     }
     spare_samples_.push_back(std::move(samples_.front()));
@@ -851,13 +944,69 @@ void Engine::measure_whole_layers(BucketState& b, const EngineCall& call, Sample
     m.candidate_mask = gather_candidates_;
     backend_.measure(b.whole, b.whole.segments, input, residual, 0, m);
   }
-  if (std::find(b.measured_gather.begin(), b.measured_gather.end(), 1) != b.measured_gather.end()) {
+  if (std::find(b.measured_unreduced.begin(), b.measured_unreduced.end(), 1) != b.measured_unreduced.end()) {
     Backend::Measure m = first;
-    m.measured = b.measured_gather;
+    m.measured = b.measured_unreduced;
     m.candidate_mask = reduce_candidates_;
     m.weight = first.weight * (n - 1) / n + (call.op == ReduceOp::kAvg ? 1.0 / n : n);
     backend_.measure(b.whole, b.whole.segments, input, residual, 0, m);
   }
+}
+
+// Low-rank candidates, on every adaptive matrix layer that has one: each rank's own
+// gradient + residual, one power iteration from a seeded start (Backend::measure_lowrank),
+// weight 1/P^2 under ncclAvg as for every per-rank error. The exchange itself does better
+// than one iteration (its Q is warm-started and summed over ranks), so the estimate errs
+// toward more error.
+void Engine::measure_lowrank(BucketState& b, const EngineCall& call, Sample& sample) {
+  if (b.lowrank_measured.empty()) return;
+  Backend::Measure m = first_stage_measure(sample, call.op);
+  m.candidate_mask = lowrank_candidates_;
+  const NoiseBase key{options_.seed, 0, call.step, b.layer_base};
+  backend_.measure_lowrank(b.lowrank_measured, ElementSpan{const_cast<void*>(call.send), call.dtype, 0},
+                           b.residual ? static_cast<float*>(b.residual->data()) : nullptr, key, m);
+}
+
+// PowerSGD's exchange of the bucket's low-rank layers (Vogels et al. 2019), batched: one
+// allreduce of every layer's P, one of every layer's Q. P = M Q is linear in M, so the sum
+// of the ranks' P is the P of the summed gradient; summed in rank order by the fabric, it
+// is the same bits on every rank, and so is everything computed from it. Each rank keeps
+// as its residual what its own M loses to the shared basis, M - P (M^T P)^T, and the
+// summed Q is the next step's warm start.
+void Engine::low_rank(BucketState& b, const EngineCall& call, CallTiming& timing) {
+  const int n = fabric_.size();
+  const ElementSpan input{const_cast<void*>(call.send), call.dtype, 0};
+  float* residual = b.residual ? static_cast<float*>(b.residual->data()) : nullptr;
+  uint8_t* flags = residual ? static_cast<uint8_t*>(b.flags->data()) : nullptr;
+  auto* p = reinterpret_cast<float*>(scratch(kLowRankP, b.p_floats * 4));
+  auto* q = reinterpret_cast<float*>(scratch(kLowRankQ, b.q_floats * 4));
+  auto* q_warm = static_cast<float*>(b.q_warm->data());
+
+  timing.start_codec(backend_);
+  if (flags) backend_.find_nonfinite(b.whole, b.lowrank_segments, input, flags);
+  backend_.lowrank_project(b.lowrank, input, residual, flags, q_warm, p);
+  timing.stop_codec(backend_);
+
+  const uint64_t sent_before = fabric_.counters().bytes_sent;
+  timing.start_exchange(backend_);
+  fabric_.all_reduce_sum(std::span<float>(p, b.p_floats));
+  timing.stop_exchange(backend_);
+
+  timing.start_codec(backend_);
+  backend_.lowrank_orthonormalize(b.lowrank, p);
+  backend_.lowrank_back_project(b.lowrank, input, residual, flags, p, q);
+  timing.stop_codec(backend_);
+
+  timing.start_exchange(backend_);
+  fabric_.all_reduce_sum(std::span<float>(q, b.q_floats));
+  timing.stop_exchange(backend_);
+  counters_.wire_bytes_sent += fabric_.counters().bytes_sent - sent_before;
+
+  timing.start_codec(backend_);
+  const float scale = call.op == ReduceOp::kAvg ? 1.0f / static_cast<float>(n) : 1.0f;
+  backend_.lowrank_reconstruct(b.lowrank, p, q, scale, ElementSpan{call.recv, call.dtype, 0});
+  backend_.lowrank_keep(b.lowrank, q, static_cast<float*>(b.q0->data()), q_warm);
+  timing.stop_codec(backend_);
 }
 
 // One all-gather of every segment of `plan` (one partition): each rank encodes the
@@ -928,10 +1077,11 @@ void Engine::reduce_scatter_allgather(BucketState& b, const EngineCall& call, Sa
   // controller's budget covers both quantizations (segments are whole buckets of every
   // candidate: plan.h, layer_granule).
   // Only the reducible candidates: gathered ones are measured on whole layers
-  // (measure_whole_layers), which is how they would be sent. The plan holds only layers
-  // whose codec reduces.
-  const std::span<const uint8_t> reducible = gathered_candidates_any() ? std::span<const uint8_t>(reduce_candidates_)
-                                                                        : std::span<const uint8_t>();
+  // (measure_whole_layers), low-rank ones by measure_lowrank, each as it would be sent.
+  // The plan holds only layers whose codec reduces.
+  const std::span<const uint8_t> reducible = gathered_candidates_any() || lowrank_candidates_any()
+                                                ? std::span<const uint8_t>(reduce_candidates_)
+                                                : std::span<const uint8_t>();
   if (sample) {
     Backend::Measure first = first_stage_measure(*sample, call.op);
     first.candidate_mask = reducible;

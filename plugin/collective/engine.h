@@ -176,6 +176,12 @@ class Engine {
   void reduce_scatter_allgather(BucketState& b, const EngineCall& call, Sample* sample, CallTiming& timing);
   void all_gather(const Plan& plan, BucketState& b, const EngineCall& call, CallTiming& timing);
   void measure_whole_layers(BucketState& b, const EngineCall& call, Sample& sample);
+  void measure_lowrank(BucketState& b, const EngineCall& call, Sample& sample);
+  void low_rank(BucketState& b, const EngineCall& call, CallTiming& timing);
+  void switch_lowrank(uint32_t bucket, std::span<const uint8_t> lowrank_layers);
+  bool lowrank_candidates_any() const {
+    return std::find(lowrank_candidates_.begin(), lowrank_candidates_.end(), 1) != lowrank_candidates_.end();
+  }
   std::string unsupported_codec() const;  // "" or the first codec the backend cannot run
   bool gathered_candidates_any() const {
     return std::find(gather_candidates_.begin(), gather_candidates_.end(), 1) != gather_candidates_.end();
@@ -193,8 +199,8 @@ class Engine {
 
   std::vector<std::unique_ptr<BucketState>> state_of_;
   std::vector<CodecSpec> measured_candidates_;  // the candidate list of adaptive layers
-  // Per measured candidate: 1 if its codec is gathered (TopK) / reducible.
-  std::vector<uint8_t> gather_candidates_, reduce_candidates_;
+  // Per measured candidate: 1 if its codec is gathered (TopK) / reducible / low rank.
+  std::vector<uint8_t> gather_candidates_, reduce_candidates_, lowrank_candidates_, not_lowrank_candidates_;
   std::vector<std::string> controller_names_;
   std::unique_ptr<controller::Controller> controller_;
   std::shared_ptr<const controller::Assignment> assignment_;

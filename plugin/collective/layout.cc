@@ -22,6 +22,12 @@ void validate(const BucketLayout& bucket, size_t bucket_index) {
                                   std::to_string(kMaxLayerElements) + " per layer");
     if (layer.candidates.empty() || layer.default_index >= layer.candidates.size())
       throw std::invalid_argument(at + ": no codec, or the default is not among its candidates");
+    for (const CodecSpec& c : layer.candidates)
+      if (c.family() == CodecFamily::kPowersgd &&
+          (layer.rows == 0 || layer.numel % layer.rows != 0 || c.powersgd_params().rows != 0))
+        throw std::invalid_argument(at + ": " + c.str() + " needs the layer's rows (" + std::to_string(layer.rows) +
+                                    ") to divide its " + std::to_string(layer.numel) +
+                                    " elements, and takes no rows= of its own");
     next = layer.offset + layer.numel;
   }
   if (next != bucket.count)

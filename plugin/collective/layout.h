@@ -21,6 +21,10 @@ struct LayerLayout {
   // codec); more: the L-GreCo controller chooses among them.
   std::vector<CodecSpec> candidates;
   uint32_t default_index = 0;
+  // The layer as a matrix for low-rank codecs: rows = its shape's first dimension, the
+  // columns the rest (numel / rows). 0: no shape (an auto-mode segment, a 1-D tensor), and
+  // then no powersgd candidate.
+  uint64_t rows = 0;
 
   bool adaptive() const { return candidates.size() > 1; }
 };
@@ -32,7 +36,8 @@ struct BucketLayout {
 };
 
 // Throws std::invalid_argument naming the bucket and layer when layers are out of order,
-// overlap, leave gaps, do not cover the count, or have no candidates.
+// overlap, leave gaps, do not cover the count, have no candidates, or have a powersgd
+// candidate without rows that divide numel.
 void validate(const BucketLayout& bucket, size_t bucket_index);
 
 }  // namespace lgreco::collective

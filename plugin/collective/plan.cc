@@ -12,7 +12,11 @@
 namespace lgreco::collective {
 
 Exchange exchange_of(const CodecSpec& spec) {
-  return spec.family() == CodecFamily::kTopk ? Exchange::kGather : Exchange::kReduce;
+  switch (spec.family()) {
+    case CodecFamily::kTopk: return Exchange::kGather;
+    case CodecFamily::kPowersgd: return Exchange::kLowRank;
+    default: return Exchange::kReduce;
+  }
 }
 
 uint64_t split_granule(const CodecSpec& spec) {
@@ -20,7 +24,8 @@ uint64_t split_granule(const CodecSpec& spec) {
     case CodecFamily::kQuant: return spec.quant_params().bucket;
     // Never split (exchange_of): its candidates are measured on whole layers, so it puts
     // no constraint on where another codec's partitions may cut.
-    case CodecFamily::kTopk: return 1;
+    case CodecFamily::kTopk:
+    case CodecFamily::kPowersgd: return 1;
     default: return 1024;
   }
 }
@@ -31,17 +36,22 @@ uint64_t layer_granule(const LayerLayout& layer, const CodecSpec& assigned) {
   return granule;
 }
 
-uint64_t encoded_bytes(const CodecSpec& spec, DType dtype, uint64_t count) {
+uint64_t encoded_bytes(const CodecSpec& spec, DType dtype, const LayerLayout& layer) {
+  return encoded_bytes(spec, dtype, layer.numel, layer.rows);
+}
+
+uint64_t encoded_bytes(const CodecSpec& spec, DType dtype, uint64_t count, uint64_t rows) {
   switch (spec.family()) {
     case CodecFamily::kNone: return count * dtype_size(dtype);
     case CodecFamily::kQuant: return quant::encoded_bytes(spec.quant_params(), count);
     case CodecFamily::kTopk: return topk::encoded_bytes(spec.topk_params(), count);
     case CodecFamily::kPowersgd: {
-      // The engine does not exchange PowerSGD yet (EngineOptions refuses it); a spec with
-      // rows=N still has a size.
       const PowersgdParams& p = spec.powersgd_params();
-      if (p.rows == 0) throw std::invalid_argument("plan: " + spec.str() + " needs the layer's shape");
-      return lowrank::encoded_bytes(lowrank::shape_of(count, p.rows, "plan"), p.rank);
+      const uint64_t n = p.rows ? p.rows : rows;
+      if (n == 0 || count % n != 0)
+        throw std::invalid_argument("plan: " + spec.str() + " on " + std::to_string(count) +
+                                    " elements needs rows that divide them (got " + std::to_string(n) + ")");
+      return lowrank::encoded_bytes(lowrank::Shape{n, count / n}, p.rank);
     }
   }
   throw std::invalid_argument("plan: unknown codec family in " + spec.str());
@@ -102,7 +112,7 @@ Plan make_plan(const BucketLayout& bucket, std::span<const CodecSpec> layer_code
     auto it = std::find(plan.codecs.begin(), plan.codecs.end(), layer_codecs[l]);
     if (it == plan.codecs.end()) it = plan.codecs.insert(plan.codecs.end(), layer_codecs[l]);
     codec_of[l] = static_cast<uint32_t>(it - plan.codecs.begin());
-    layer_bytes[l] = in_plan(l) ? encoded_bytes(layer_codecs[l], bucket.dtype, bucket.layers[l].numel) : 0;
+    layer_bytes[l] = in_plan(l) ? encoded_bytes(layer_codecs[l], bucket.dtype, bucket.layers[l]) : 0;
     total += layer_bytes[l];
   }
 
@@ -129,7 +139,7 @@ Plan make_plan(const BucketLayout& bucket, std::span<const CodecSpec> layer_code
       // Each segment starts on a 4-byte boundary: the CUDA kernels read and write the
       // quantization payload's metadata and code words as 32-bit words. Only `none` on a
       // 16-bit type with an odd count needs the (zero) padding.
-      s.bytes = (encoded_bytes(layer_codecs[l], bucket.dtype, s.count) + 3) / 4 * 4;
+      s.bytes = (encoded_bytes(layer_codecs[l], bucket.dtype, s.count, ll.rows) + 3) / 4 * 4;
       part.bytes += s.bytes;
       plan.segments.push_back(s);
     }

@@ -67,20 +67,26 @@ struct Plan {
 // one (topk: a sparse set that another rank's set does not line up with) travels whole
 // to every rank, which scatter-adds all of them; its layer is encoded whole, never split
 // between partitions.
-enum class Exchange : uint8_t { kReduce, kGather };
+// A low-rank one (powersgd) is linear in the gradient: its factors are summed with two
+// float allreduces, and the layer is never split either.
+enum class Exchange : uint8_t { kReduce, kGather, kLowRank };
 Exchange exchange_of(const CodecSpec& spec);
 
 // Elements a partition boundary inside a layer must be a multiple of (from the layer's
 // first element): the codec's bucket for quantization, 1024 for `none` (keeps payloads
-// aligned and segments from being tiny), 1 for a gathered codec (never split).
+// aligned and segments from being tiny), 1 for gathered and low-rank codecs (never split).
 uint64_t split_granule(const CodecSpec& spec);
 // The granule of a layer: the least common multiple of its assigned codec's and every
 // candidate's, so that a segment is whole buckets of every candidate too and the engine
 // can measure candidates on the segments it owns.
 uint64_t layer_granule(const LayerLayout& layer, const CodecSpec& assigned);
 
-// Encoded bytes of `count` elements of `dtype` under `spec`.
-uint64_t encoded_bytes(const CodecSpec& spec, DType dtype, uint64_t count);
+// Encoded bytes of `count` elements of `dtype` under `spec`. PowerSGD needs the matrix
+// view: rows = 0 takes the spec's own rows; throws std::invalid_argument if neither
+// gives rows that divide count.
+uint64_t encoded_bytes(const CodecSpec& spec, DType dtype, uint64_t count, uint64_t rows = 0);
+// A whole layer's encoded bytes under `spec` (its rows for low rank).
+uint64_t encoded_bytes(const CodecSpec& spec, DType dtype, const LayerLayout& layer);
 
 // The plan of `bucket` with codec layer_codecs[l] for layer l, cut into `partitions`
 // ranges (>= 1) of near-equal encoded bytes. Some partitions may be empty when the

@@ -18,6 +18,7 @@
 #include "kernels/codec.h"
 #include "plugin/collective/cpu_backend.h"
 #include "plugin/collective/inproc_fabric.h"
+#include "kernels/lowrank.h"
 #include "tests/unit/test_util.h"
 
 namespace lgreco::collective {
@@ -89,6 +90,7 @@ Bytes reference(const BucketLayout& b, const std::vector<Bytes>& inputs, Algorit
     for (int r = 0; r < n; ++r)
       for (size_t l = 0; l < b.layers.size(); ++l) {
         const LayerLayout& layer = b.layers[l];
+        if (exchange_of(codecs[l]) == Exchange::kLowRank) continue;
         const NoiseKey key{seed, static_cast<uint32_t>(r), step, layer_base + static_cast<uint32_t>(l)};
         const Bytes enc = encode_with(codecs[l], dtype, key, inputs[r].data() + layer.offset * es, layer.numel, 0);
         Codec::create(codecs[l], dtype)->decode_accumulate(enc, layer.numel, acc.data() + layer.offset);
@@ -98,11 +100,12 @@ Bytes reference(const BucketLayout& b, const std::vector<Bytes>& inputs, Algorit
     return out;
   }
   // sra: gathered layers (TopK) travel whole to every rank, as in all-gather; the
-  // reducible ones are partitioned among owners.
+  // reducible ones are partitioned among owners; low-rank layers are not covered here
+  // (their bytes stay 0: powersgd_layers_match_the_reference_step_after_step).
   std::vector<uint8_t> reduced(b.layers.size());
   for (size_t l = 0; l < b.layers.size(); ++l) {
     reduced[l] = exchange_of(codecs[l]) == Exchange::kReduce;
-    if (reduced[l]) continue;
+    if (reduced[l] || exchange_of(codecs[l]) == Exchange::kLowRank) continue;
     const LayerLayout& layer = b.layers[l];
     std::vector<float> acc(layer.numel, 0.0f);
     for (int r = 0; r < n; ++r) {
@@ -636,15 +639,30 @@ BOOST_AUTO_TEST_CASE(options_from_parameters_and_layouts_from_registrations) {
   const EngineOptions invalid = EngineOptions::from_params(config::load_params(sources), 0);
   BOOST_TEST(!invalid.valid);
   BOOST_TEST(test::contains(invalid.invalid_reason, "LGRECO_WINDOW=0"), invalid.invalid_reason);
-  // PowerSGD parses but has no exchange in this engine yet: refused with a reason, as
-  // an invalid configuration (every rank passes through with a WARN).
-  for (const char* candidates : {"auto", "quant:bits=2;powersgd:rank=4"}) {
+  // PowerSGD applies where a layer is a matrix whose factors are smaller than it; elsewhere
+  // its candidates are left out, and a powersgd default becomes `none`.
+  {
     config::ParamSources lowrank = sources;
-    lowrank.environment = {{"LGRECO_CODEC", std::string(candidates) == "auto" ? "powersgd:rank=4" : "quant:bits=4"},
-                           {"LGRECO_CANDIDATES", candidates}};
-    const EngineOptions refused = EngineOptions::from_params(config::load_params(lowrank), 0);
-    BOOST_TEST(!refused.valid, candidates);
-    BOOST_TEST(test::contains(refused.invalid_reason, "powersgd is not exchanged"), refused.invalid_reason);
+    lowrank.environment = {{"LGRECO_CODEC", "powersgd:rank=4"}, {"LGRECO_CANDIDATES", "quant:bits=2;powersgd:rank=2"}};
+    const EngineOptions lo = EngineOptions::from_params(config::load_params(lowrank), 0);
+    BOOST_TEST(lo.valid, lo.invalid_reason);
+    config::RegisteredBucket b;
+    b.count = 4096 + 2048 + 300 * 4;
+    b.layers.push_back({"square", 0, 4096, {64, 64}, true, {}});          // (64 + 64) x 4 x 2 < 4096: pays
+    b.layers.push_back({"wide", 4096, 2048, {2, 1024}, true, {}});        // (2 + 1024) x 2 x 2 > 2048: never
+    b.layers.push_back({"segment", 6144, 1200, {}, false, {}});           // no shape: no low rank
+    const BucketLayout layout = layout_from_registration(b, lo);
+    auto names = [](const LayerLayout& l) {
+      std::string t;
+      for (const CodecSpec& c : l.candidates) t += c.str() + ";";
+      return t + " default " + l.candidates[l.default_index].str();
+    };
+    BOOST_TEST(layout.layers[0].rows == 64u);
+    BOOST_TEST(names(layout.layers[0]) == "quant:bits=2,bucket=1024,rounding=stochastic;powersgd:rank=2;powersgd:rank=4; default powersgd:rank=4");
+    BOOST_TEST(layout.layers[1].rows == 2u);
+    BOOST_TEST(names(layout.layers[1]) == "quant:bits=2,bucket=1024,rounding=stochastic;none; default none");
+    BOOST_TEST(layout.layers[2].rows == 0u);
+    BOOST_TEST(names(layout.layers[2]) == "quant:bits=2,bucket=1024,rounding=stochastic;none; default none");
   }
 
   config::RegisteredBucket bucket;
@@ -947,6 +965,194 @@ BOOST_AUTO_TEST_CASE(adaptive_choice_across_families_is_the_same_on_every_rank) 
       BOOST_TEST(results[0].counters.encoded_bytes < baseline[0].counters.encoded_bytes);
     }
   }
+}
+
+// PowerSGD layers beside quantized and TopK ones, against a reference written here from
+// the algorithm (kernels/lowrank.h's steps, sums in rank order as the fabric makes them):
+// the same bits on every rank, step after step, with the warm start carried over.
+BucketLayout matrix_layout(const std::vector<std::pair<uint64_t, uint64_t>>& shapes, const std::vector<CodecSpec>& codecs,
+                           DType dtype) {
+  std::vector<uint64_t> sizes;
+  for (const auto& [rows, cols] : shapes) sizes.push_back(rows * cols);
+  BucketLayout b = fixed_layout(sizes, codecs, dtype);
+  for (size_t l = 0; l < shapes.size(); ++l) b.layers[l].rows = shapes[l].first;
+  return b;
+}
+
+BOOST_AUTO_TEST_CASE(powersgd_layers_match_the_reference_step_after_step) {
+  const uint64_t seed = test::run_seed();
+  for (Algorithm algorithm : {Algorithm::kScatterReduceAllGather, Algorithm::kAllGather})
+    for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg}) {
+      const int ranks = 3;
+      const BucketLayout bucket = matrix_layout({{64, 40}, {50, 30}, {30, 70}, {48, 48}},
+                                                {CodecSpec::parse("powersgd:rank=3"), quant(4), topk("0.05"),
+                                                 CodecSpec::parse("powersgd:rank=1")},
+                                                DType::kFloat32);
+      Job job;
+      job.ranks = ranks;
+      job.buckets = {bucket};
+      job.options = [&](int) { return fixed_options(algorithm, false); };
+      job.input = random_inputs(job.buckets, seed);
+      job.steps = 3;
+      job.op = op;
+      job.in_place = op == ReduceOp::kAvg;
+      const auto results = run_job(job);
+      BOOST_TEST_CONTEXT("seed " << seed << ", " << algorithm_name(algorithm) << (op == ReduceOp::kAvg ? " avg" : " sum")) {
+        // The reference of the low-rank layers: warm Q per layer, from Q0 of the engine's seed.
+        struct State {
+          uint64_t offset, rows, cols;
+          uint32_t rank, layer;
+          std::vector<float> q, q0;
+        };
+        std::vector<State> states;
+        for (uint32_t l : {0u, 3u}) {
+          const LayerLayout& layer = bucket.layers[l];
+          State st{layer.offset, layer.rows, layer.numel / layer.rows, bucket.layers[l].candidates[0].powersgd_params().rank,
+                   l, {}, {}};
+          st.q0.resize(st.cols * st.rank);
+          lowrank::initial_q(NoiseKey{EngineOptions{}.seed, 0, 0, l}, st.cols, st.rank, st.q0.data());
+          st.q = st.q0;
+          states.push_back(std::move(st));
+        }
+        for (uint64_t step = 0; step < job.steps; ++step) {
+          std::vector<std::vector<float>> x(ranks);
+          for (int r = 0; r < ranks; ++r) {
+            const Bytes in = job.input(r, step, 0);
+            x[r].resize(bucket.count);
+            memcpy(x[r].data(), in.data(), in.size());
+          }
+          for (int r = 0; r < ranks; ++r) {
+            BOOST_TEST_REQUIRE((results[r].outcomes[step].kind == CallOutcome::Kind::kDone), results[r].outcomes[step].message);
+            BOOST_TEST((results[r].outputs[step] == results[0].outputs[step]), "step " << step << " rank " << r);
+          }
+          std::vector<float> out(bucket.count);
+          memcpy(out.data(), results[0].outputs[step].data(), bucket.count * 4);
+          for (State& st : states) {
+            const lowrank::Shape shape{st.rows, st.cols};
+            std::vector<float> p(st.rows * st.rank, 0.0f), q(st.cols * st.rank, 0.0f), part_p(p.size()), part_q(q.size());
+            for (int r = 0; r < ranks; ++r) {
+              lowrank::project(x[r].data() + st.offset, shape, st.q.data(), st.rank, part_p.data());
+              for (size_t k = 0; k < p.size(); ++k) p[k] += part_p[k];
+            }
+            lowrank::orthonormalize(p.data(), st.rows, st.rank);
+            for (int r = 0; r < ranks; ++r) {
+              lowrank::back_project(x[r].data() + st.offset, shape, p.data(), st.rank, part_q.data());
+              for (size_t k = 0; k < q.size(); ++k) q[k] += part_q[k];
+            }
+            std::vector<float> want(st.rows * st.cols);
+            lowrank::reconstruct(p.data(), q.data(), shape, st.rank, op == ReduceOp::kAvg ? 1.0f / ranks : 1.0f, want.data());
+            for (size_t i = 0; i < want.size(); ++i)
+              BOOST_TEST(float_bits(out[st.offset + i]) == float_bits(want[i]), "step " << step << " layer " << st.layer << " element " << i);
+            st.q = q;  // every column nonzero and finite here: kept as the warm start
+          }
+          // The other layers are what the reference of the fixed codecs says.
+          std::vector<Bytes> inputs;
+          for (int r = 0; r < ranks; ++r) inputs.push_back(job.input(r, step, 0));
+          const Bytes expected = reference(bucket, inputs, algorithm, step, op, EngineOptions{}.seed);
+          for (uint32_t l : {1u, 2u}) {
+            const LayerLayout& layer = bucket.layers[l];
+            BOOST_TEST(std::equal(expected.begin() + layer.offset * 4, expected.begin() + (layer.offset + layer.numel) * 4,
+                                  results[0].outputs[step].begin() + layer.offset * 4),
+                       "step " << step << " layer " << l);
+          }
+        }
+      }
+    }
+}
+
+// Error feedback with the warm start: a fixed gradient's sum over steps reaches the
+// output's sum up to the ranks' residuals, which stay bounded: the distance does not grow
+// from the first half of the run to the second.
+BOOST_AUTO_TEST_CASE(powersgd_error_feedback_keeps_the_accumulated_error_bounded) {
+  const uint64_t seed = test::run_seed();
+  const BucketLayout bucket = matrix_layout({{30, 40}}, {CodecSpec::parse("powersgd:rank=2")}, DType::kFloat32);
+  Job job;
+  job.ranks = 2;
+  job.buckets = {bucket};
+  job.options = [&](int) { return fixed_options(Algorithm::kAuto, true); };
+  const auto fixed = random_inputs(job.buckets, seed);
+  job.input = [&](int r, uint64_t, uint32_t b) { return fixed(r, 0, b); };  // the same every step
+  job.steps = 240;
+  const auto results = run_job(job);
+  std::vector<double> exact(bucket.count, 0.0), sent(bucket.count, 0.0);
+  for (int r = 0; r < 2; ++r) {
+    const auto x = to_double(job.input(r, 0, 0), DType::kFloat32);
+    for (size_t i = 0; i < x.size(); ++i) exact[i] += x[i];
+  }
+  double worst_early = 0, worst_late = 0, norm = 0;
+  for (double v : exact) norm += v * v;
+  for (uint64_t step = 0; step < job.steps; ++step) {
+    BOOST_TEST_REQUIRE((results[0].outcomes[step].kind == CallOutcome::Kind::kDone), results[0].outcomes[step].message);
+    const auto out = to_double(results[0].outputs[step], DType::kFloat32);
+    double err = 0;
+    for (size_t i = 0; i < out.size(); ++i) {
+      sent[i] += out[i];
+      const double d = sent[i] - (step + 1) * exact[i];
+      err += d * d;
+    }
+    if (step >= 60) (step < 150 ? worst_early : worst_late) = std::max(step < 150 ? worst_early : worst_late, std::sqrt(err));
+  }
+  BOOST_TEST(worst_late <= 1.25 * worst_early, worst_late << " after " << worst_early);
+  // And the mean output is the gradient: the distance is a few gradients, not 240.
+  BOOST_TEST(worst_late < 30 * std::sqrt(norm), worst_late << " against one gradient's " << std::sqrt(norm));
+}
+
+// With all three families as candidates, each layer gets the one that suits it: a layer
+// of low rank PowerSGD, a sparse one TopK, a dense full-rank one quantization.
+BOOST_AUTO_TEST_CASE(adaptive_choice_among_three_families) {
+  const uint64_t seed = test::run_seed();
+  std::vector<CodecSpec> candidates = {topk("0.005"), topk("0.01"), topk("0.05")};
+  for (int bits = 2; bits <= 8; ++bits) candidates.push_back(quant(bits));
+  for (int rank : {1, 2, 4}) candidates.push_back(CodecSpec::parse("powersgd:rank=" + std::to_string(rank)));
+  BucketLayout bucket = matrix_layout({{200, 200}, {200, 200}, {200, 200}}, {quant(4), quant(4), quant(4)},
+                                      DType::kFloat32);
+  for (LayerLayout& l : bucket.layers) {
+    l.candidates = candidates;
+    l.default_index = 4;  // quant 4 bits
+  }
+  const int ranks = 4;
+  Job job;
+  job.ranks = ranks;
+  job.buckets = {bucket};
+  job.options = [&](int) {
+    EngineOptions o;
+    o.codec = quant(4);
+    o.candidates = candidates;
+    o.parameters_text = "three families";
+    o.controller.schedule = {2, 4, 2, 1};
+    // Without error feedback the sparse layer stays sparse: with it, the default's
+    // quantization residual spreads over every element, and which family wins that layer
+    // depends on the draw.
+    o.error_feedback = false;
+    return o;
+  };
+  // Layer 0: rank 1 (a shared outer product, scaled per rank) plus faint noise; layer 1:
+  // 200 nonzeros; layer 2: dense noise. All of one scale.
+  std::mt19937_64 shape_rng(seed);
+  const std::vector<float> u = test::draw(test::Dist::kNormal, 200, shape_rng), v = test::draw(test::Dist::kNormal, 200, shape_rng);
+  job.input = [&](int r, uint64_t step, uint32_t) {
+    std::mt19937_64 rng(seed ^ (uint64_t(r) << 40) ^ step);
+    std::vector<float> x = test::draw(test::Dist::kNormal, bucket.count, rng);
+    const float scale = 1.0f + 0.1f * static_cast<float>(rng() % 10);
+    for (size_t i = 0; i < 40000; ++i) x[i] = scale * u[i / 200] * v[i % 200] + 1e-3f * x[i];
+    for (size_t i = 40000; i < 80000; ++i)
+      if (i % 200 != 0) x[i] = 0.0f;
+    return to_dtype(x, DType::kFloat32);
+  };
+  job.steps = 12;
+  const auto results = run_job(job);
+  for (int r = 0; r < ranks; ++r) {
+    for (size_t c = 0; c < results[r].outcomes.size(); ++c) {
+      BOOST_TEST((results[r].outcomes[c].kind == CallOutcome::Kind::kDone), results[r].outcomes[c].message);
+      BOOST_TEST((results[r].outputs[c] == results[0].outputs[c]), "call " << c << " rank " << r);
+    }
+    BOOST_TEST(results[r].codecs == results[0].codecs);
+  }
+  BOOST_TEST(results[0].epoch >= 2u);
+  BOOST_TEST_REQUIRE(results[0].codecs.size() == 3u);
+  BOOST_TEST(results[0].codecs[0].rfind("powersgd:", 0) == 0u, results[0].codecs[0]);
+  BOOST_TEST(results[0].codecs[1].rfind("topk:", 0) == 0u, results[0].codecs[1]);
+  BOOST_TEST(results[0].codecs[2].rfind("quant:", 0) == 0u, results[0].codecs[2]);
 }
 
 // A backend without a family's kernels: every rank passes through, with one WARN saying
