@@ -19,7 +19,9 @@
 #include "config/version.h"
 #include "kernels/codec.h"
 #include "kernels/cpu_dispatch.h"
+#include "kernels/lowrank.h"
 #include "kernels/quant.h"
+#include "kernels/topk.h"
 #include "tools/bench_util.h"
 #include "tools/cli.h"
 
@@ -28,9 +30,11 @@ namespace {
 
 const char kUsage[] = R"(usage: lgreco-codec-bench [--count N] [--reps R] [--bits B] [--bucket N]
 
-Times the CPU reference quantization codec on one core: encode, encode with error
+Times the CPU reference codecs on one core: quantization's encode, encode with error
 feedback, decode, decode-accumulate, and the error statistics of 7 candidates (bits
-2..8), for float32 input, plus float16/bfloat16 encode. Prints the median GB/s of
+2..8), for float32 input, plus float16/bfloat16 encode; TopK at 1% (encode with
+feedback, decode-accumulate, statistics of 6 densities); one-shot PowerSGD at rank 4 on
+the input as a matrix, and its statistics for ranks 2..8. Prints the median GB/s of
 float32 input over R repetitions, and the targets of the foundation issue.
 
   --count N   values per run (default 16777216)
@@ -120,6 +124,37 @@ int run(int argc, char** argv) {
   row("decode-accumulate", p.bits, 1.0, [&] { quant::decode_accumulate(p, encoded, count, acc.data()); });
   row("stats, 7 candidates (2..8)", 0, 0.15,
       [&] { quant::squared_errors(candidates, DType::kFloat32, slice, residual.data(), errors); });
+
+  // TopK at 1% (bits column: 0), and its statistics for the six densities of the default
+  // candidate set; no target on the CPU (the GPU's is in tests/gpu/run.sh families).
+  const TopkParams one_percent{10'000'000};
+  std::vector<uint8_t> sparse(topk::encoded_bytes(one_percent, count));
+  row("topk 1% encode + feedback", 0, 0,
+      [&] { topk::encode(one_percent, DType::kFloat32, slice, residual.data(), sparse); });
+  topk::encode(one_percent, DType::kFloat32, slice, nullptr, sparse);
+  row("topk 1% decode-accumulate", 0, 0, [&] { topk::decode_accumulate(one_percent, sparse, count, acc.data()); });
+  const std::vector<TopkParams> densities = {{1'000'000}, {2'500'000}, {5'000'000},
+                                             {10'000'000}, {20'000'000}, {50'000'000}};
+  std::vector<double> topk_errors(densities.size());
+  row("topk stats, 6 densities", 0, 0,
+      [&] { topk::squared_errors(densities, DType::kFloat32, slice, residual.data(), topk_errors); });
+
+  // PowerSGD, one-shot, on the input as a square-ish matrix (rows = 2^floor(log2(count)/2)).
+  uint64_t rows = 1;
+  while (rows * rows * 4 <= count) rows *= 2;
+  if (count % rows == 0) {
+    const PowersgdParams rank4{4, rows};
+    const lowrank::Shape shape{rows, count / rows};
+    std::vector<uint8_t> factors(lowrank::encoded_bytes(shape, 4));
+    row("powersgd rank 4 encode + fb", 0, 0,
+        [&] { lowrank::encode(rank4, noise, DType::kFloat32, slice, residual.data(), factors); });
+    const std::vector<uint32_t> ranks = {2, 3, 4, 5, 6, 7, 8};
+    std::vector<double> rank_errors(ranks.size());
+    std::vector<float> basis(shape.cols * 8);
+    lowrank::initial_q(noise, shape.cols, 8, basis.data());
+    row("powersgd stats, ranks 2..8", 0, 0,
+        [&] { lowrank::squared_errors(x.data(), shape, basis.data(), 8, ranks, rank_errors); });
+  }
   return 0;
 }
 
