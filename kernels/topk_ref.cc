@@ -33,9 +33,34 @@ std::vector<float> values_of(DType dtype, const Slice& input, const float* resid
   return x;
 }
 
+// The k-th largest key of x: a radix selection, 16 bits at a time (a histogram of the
+// high halves finds the bin that holds it, a histogram of that bin's low halves the key),
+// two reads of x instead of a sort. Also returns how many keys lie above it.
+uint32_t kth_largest_key(const std::vector<float>& x, uint64_t k, uint64_t* above) {
+  std::vector<uint64_t> histogram(1 << 16);
+  for (float v : x) ++histogram[magnitude_key(v) >> 16];
+  uint64_t seen = 0;
+  uint32_t high = 0xFFFF;
+  for (;; --high) {
+    if (seen + histogram[high] >= k) break;
+    seen += histogram[high];
+  }
+  std::fill(histogram.begin(), histogram.end(), 0);
+  for (float v : x) {
+    const uint32_t key = magnitude_key(v);
+    if ((key >> 16) == high) ++histogram[key & 0xFFFF];
+  }
+  uint32_t low = 0xFFFF;
+  for (;; --low) {
+    if (seen + histogram[low] >= k) break;
+    seen += histogram[low];
+  }
+  *above = seen;
+  return high << 16 | low;
+}
+
 // The indices of the k largest keys, lower index first among equal keys, in increasing
-// order. O(n): a selection finds the k-th largest key, then one pass in index order keeps
-// everything above it and the first of those equal to it.
+// order: everything above the k-th largest key, and the first of those equal to it.
 std::vector<uint32_t> select(const std::vector<float>& x, uint64_t k) {
   std::vector<uint32_t> kept;
   if (k == 0) return kept;
@@ -44,17 +69,13 @@ std::vector<uint32_t> select(const std::vector<float>& x, uint64_t k) {
     for (uint64_t i = 0; i < x.size(); ++i) kept.push_back(static_cast<uint32_t>(i));
     return kept;
   }
-  std::vector<uint32_t> keys(x.size());
-  for (size_t i = 0; i < x.size(); ++i) keys[i] = magnitude_key(x[i]);
-  std::vector<uint32_t> order = keys;
-  std::nth_element(order.begin(), order.begin() + static_cast<ptrdiff_t>(k - 1), order.end(), std::greater<>());
-  const uint32_t threshold = order[k - 1];
   uint64_t above = 0;
-  for (uint32_t key : keys) above += key > threshold;
+  const uint32_t threshold = kth_largest_key(x, k, &above);
   uint64_t equal_left = k - above;
-  for (size_t i = 0; i < keys.size(); ++i)
-    if (keys[i] > threshold || (keys[i] == threshold && equal_left > 0 && equal_left--))
-      kept.push_back(static_cast<uint32_t>(i));
+  for (size_t i = 0; i < x.size(); ++i) {
+    const uint32_t key = magnitude_key(x[i]);
+    if (key > threshold || (key == threshold && equal_left > 0 && equal_left--)) kept.push_back(static_cast<uint32_t>(i));
+  }
   return kept;
 }
 
