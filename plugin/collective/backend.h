@@ -57,10 +57,10 @@ class Backend {
   virtual std::string name() const = 0;
   // "" when this backend can encode, decode and measure `spec`, else why not (a family
   // whose kernels this backend lacks). The engine asks before compressing, so that every
-  // rank passes through together instead of failing in the middle of a call.
+  // rank passes through together instead of failing in the middle of a call. By default
+  // low rank is unsupported: a backend that implements the lowrank_* operations says so.
   virtual std::string unsupported(const CodecSpec& spec) const {
-    (void)spec;
-    return "";
+    return spec.family() == CodecFamily::kPowersgd ? "the " + name() + " backend has no low-rank operations" : "";
   }
 
   // Backend memory, zero-filled; freed when the owner goes. Throws std::bad_alloc.

@@ -16,6 +16,7 @@ namespace lgreco::collective {
 class CpuBackend final : public Backend {
  public:
   std::string name() const override { return "cpu"; }
+  std::string unsupported(const CodecSpec&) const override { return ""; }  // every family
 
   std::unique_ptr<Buffer> allocate(uint64_t bytes) override;
   std::unique_ptr<Buffer> allocate_host(uint64_t bytes) override { return allocate(bytes); }

@@ -58,6 +58,29 @@ class HostBackend final : public StreamBackend {
                const Measure& m) override {
     cpu_.measure(plan, segments, input, residual, residual_first, m);
   }
+  std::string unsupported(const CodecSpec& spec) const override { return cpu_.unsupported(spec); }
+  void lowrank_project(std::span<const LowRankLayer> layers, collective::ElementSpan input, const float* residual,
+                       const uint8_t* flags, const float* q, float* p) override {
+    cpu_.lowrank_project(layers, input, residual, flags, q, p);
+  }
+  void lowrank_orthonormalize(std::span<const LowRankLayer> layers, float* p) override {
+    cpu_.lowrank_orthonormalize(layers, p);
+  }
+  void lowrank_back_project(std::span<const LowRankLayer> layers, collective::ElementSpan input, float* residual,
+                            const uint8_t* flags, const float* p, float* q) override {
+    cpu_.lowrank_back_project(layers, input, residual, flags, p, q);
+  }
+  void lowrank_reconstruct(std::span<const LowRankLayer> layers, const float* p, const float* q, float scale,
+                           collective::ElementSpan out) override {
+    cpu_.lowrank_reconstruct(layers, p, q, scale, out);
+  }
+  void lowrank_keep(std::span<const LowRankLayer> layers, const float* q_new, const float* q0, float* q) override {
+    cpu_.lowrank_keep(layers, q_new, q0, q);
+  }
+  void measure_lowrank(std::span<const LowRankLayer> layers, collective::ElementSpan input, const float* residual,
+                       const collective::NoiseBase& key, const Measure& m) override {
+    cpu_.measure_lowrank(layers, input, residual, key, m);
+  }
   uint64_t mark() override { return cpu_.mark(); }
   bool mark_ready(uint64_t mark) override { return cpu_.mark_ready(mark); }
   void wait_mark(uint64_t mark) override { cpu_.wait_mark(mark); }

@@ -509,7 +509,8 @@ class FailingBackend final : public Backend {
   bool lacks_topk = false;  // as a backend without TopK kernels
   std::string name() const override { return "failing"; }
   std::string unsupported(const CodecSpec& spec) const override {
-    return lacks_topk && spec.family() == CodecFamily::kTopk ? "this backend has no TopK kernels" : "";
+    if (lacks_topk && spec.family() == CodecFamily::kTopk) return "this backend has no TopK kernels";
+    return Backend::unsupported(spec);  // no low-rank operations here
   }
   std::unique_ptr<Buffer> allocate(uint64_t bytes) override { return cpu_.allocate(bytes); }
   std::unique_ptr<Buffer> allocate_host(uint64_t bytes) override { return cpu_.allocate_host(bytes); }
