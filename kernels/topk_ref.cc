@@ -159,24 +159,75 @@ uint64_t squared_errors(std::span<const TopkParams> candidates, DType dtype, con
     for (size_t c = 0; c < candidates.size(); ++c) squared_error_out[c] = std::numeric_limits<double>::infinity();
     return nonfinite;
   }
-  uint64_t k_max = 0;
-  for (const TopkParams& p : candidates) k_max = std::max(k_max, std::min<uint64_t>(p.k(x.size()), x.size()));
-  // Magnitudes, the k_max largest first and sorted; the rest in no order. A kept value
-  // leaves no error (it is sent exactly), so candidate k's error is the sum of the squares
-  // from sorted position k on; ties do not matter, equal keys have equal squares.
-  std::vector<float> magnitude(x.size());
-  for (size_t i = 0; i < x.size(); ++i) magnitude[i] = std::fabs(x[i]);
-  const auto top = magnitude.begin() + static_cast<ptrdiff_t>(k_max);
-  if (top != magnitude.end()) std::nth_element(magnitude.begin(), top, magnitude.end(), std::greater<>());
-  std::sort(magnitude.begin(), top, std::greater<>());
-  double tail = 0.0;  // beyond the k_max largest
-  for (auto it = top; it != magnitude.end(); ++it) tail += double(*it) * double(*it);
-  // suffix[j] = error of keeping the j largest, for j in [0, k_max].
-  std::vector<double> suffix(k_max + 1);
-  suffix[k_max] = tail;
-  for (uint64_t j = k_max; j-- > 0;) suffix[j] = suffix[j + 1] + double(magnitude[j]) * double(magnitude[j]);
-  for (size_t c = 0; c < candidates.size(); ++c)
-    squared_error_out[c] = suffix[std::min<uint64_t>(candidates[c].k(x.size()), x.size())];
+  // The radix selection of select(), for every density at once: a histogram of the keys'
+  // high halves with each bin's sum of squares, then one of the low halves within the
+  // bins that hold a candidate's k-th largest key. Candidate k's error is the squares of
+  // every bin below that key's, of the lower keys in its bin, and of the equal keys it
+  // does not keep (equal keys have equal squares). A kept value is sent exactly.
+  constexpr size_t kBins = size_t{1} << 16;
+  std::vector<uint64_t> count(kBins);
+  std::vector<double> squares(kBins);
+  for (float v : x) {
+    const uint32_t high = magnitude_key(v) >> 16;
+    ++count[high];
+    squares[high] += double(v) * double(v);
+  }
+  struct Cut {
+    uint64_t k = 0;
+    uint32_t high = 0;     // the bin of the k-th largest key
+    uint64_t above = 0;    // keys in higher bins
+    double below = 0;      // squares of the lower bins
+  };
+  std::vector<Cut> cuts(candidates.size());
+  for (size_t c = 0; c < candidates.size(); ++c) {
+    Cut& cut = cuts[c];
+    cut.k = std::min<uint64_t>(candidates[c].k(x.size()), x.size());
+    if (cut.k == 0 || cut.k == x.size()) continue;
+    uint32_t high = kBins - 1;
+    while (cut.above + count[high] < cut.k) cut.above += count[high--];
+    cut.high = high;
+    for (uint32_t b = 0; b < high; ++b) cut.below += squares[b];
+  }
+  // Low-half histograms of the bins some candidate cuts in.
+  std::vector<uint32_t> cut_bins;
+  for (const Cut& cut : cuts)
+    if (cut.k > 0 && cut.k < x.size() &&
+        std::find(cut_bins.begin(), cut_bins.end(), cut.high) == cut_bins.end())
+      cut_bins.push_back(cut.high);
+  std::vector<std::vector<uint64_t>> low_count(cut_bins.size(), std::vector<uint64_t>(kBins));
+  for (float v : x) {
+    const uint32_t key = magnitude_key(v);
+    for (size_t i = 0; i < cut_bins.size(); ++i)
+      if ((key >> 16) == cut_bins[i]) ++low_count[i][key & 0xFFFF];
+  }
+  for (size_t c = 0; c < candidates.size(); ++c) {
+    const Cut& cut = cuts[c];
+    if (cut.k == x.size()) {
+      squared_error_out[c] = 0.0;
+      continue;
+    }
+    if (cut.k == 0) {
+      double all = 0;
+      for (double v : squares) all += v;
+      squared_error_out[c] = all;
+      continue;
+    }
+    const std::vector<uint64_t>& low =
+        low_count[static_cast<size_t>(std::find(cut_bins.begin(), cut_bins.end(), cut.high) - cut_bins.begin())];
+    // The key's low half: keys of the bin from the top until k are reached.
+    uint64_t seen = cut.above;
+    uint32_t l = kBins - 1;
+    while (seen + low[l] < cut.k) seen += low[l--];
+    double error = cut.below;
+    const auto square_of = [&](uint32_t low_half) {
+      const double m = double(bits_float(cut.high << 16 | low_half));
+      return m * m;
+    };
+    for (uint32_t b = 0; b < l; ++b)
+      if (low[b]) error += double(low[b]) * square_of(b);
+    error += double(seen + low[l] - cut.k) * square_of(l);  // equal keys left out
+    squared_error_out[c] = error;
+  }
   return 0;
 }
 
