@@ -17,6 +17,16 @@
 //
 //   demo: ranks=4 steps=40 bytes_vs_fp32=... bytes_vs_uniform=... error_vs_budget=...
 //
+// Candidates: quantization at 2..8 bits (default), or with --families quant,topk also
+// TopK at densities 0.1%..5%, the default codec staying 4 bits. Then a layer's bits per
+// value is TopK's 64 k / n, a `topk` column counts the adaptive layers on TopK per epoch,
+// a comment line says which groups and densities chose it, the plot colours TopK red to
+// peach, and the last line ends with " families=quant,topk". The gradients are the same
+// under both settings. On them the controller gives TopK at 0.1% (0.064 bits per value)
+// to most layers whose gradients are small against the largest layers' (scales span four
+// decades): what such a layer loses waits in its error-feedback residual, and the budget
+// it frees buys the largest layers more bits.
+//
 // How the uniform 4-bit error is known at later steps without running a second engine:
 // the steps before the first switch run uniform 4 bits; max-min quantization is scale
 // equivariant and each layer's tail shape is fixed, so each layer's relative squared
@@ -70,20 +80,31 @@ constexpr uint64_t kFirstUniformStep = kSchedule.warmup - kSchedule.window;
 constexpr uint64_t kDefaultSteps = 40;
 constexpr int kMaxRanks = 16;
 constexpr int kDefaultBits = 4, kMinBits = 2, kMaxBits = 8;
+// TopK densities of --families quant,topk, in parts per billion: 0.1%, 0.25%, 0.5%, 1%,
+// 2%, 5%, the set LGRECO_CANDIDATES=auto gives around topk:density=0.01 (density x 0.1,
+// 0.25, 0.5, 1, 2, 5; config/params.cc). A TopK layer costs 64 k / n bits per value
+// (u32 index and f32 value per kept element), 0.064 to 3.2 here: from 30x below 2 bits
+// to about 3 bits. Denser ones would cost more than 4 bits with far more error than
+// 4-bit quantization on any gradient that is not sparse.
+constexpr uint32_t kTopkPpb[] = {1'000'000, 2'500'000, 5'000'000, 10'000'000, 20'000'000, 50'000'000};
+// Index of a layer's codec in the candidate list, or this for a codec outside it.
+constexpr uint8_t kNoChoice = 255;
 
 const char kUsage[] = R"(usage: lgreco-demo [--steps N] [--ranks P] [--seed S] [--png PATH] [--registration FILE]
-                   [--algorithm auto|sra|allgather]
+                   [--algorithm auto|sra|allgather] [--families quant|quant,topk]
 
 Runs lgreco's compressed allreduce (the engine with error feedback and the L-GreCo
-controller choosing 2..8 bits per layer, default 4) on P ranks as threads of this process,
-over the gradient buckets of ResNet-50 (embedded registration) or of FILE, with synthetic
-gradients whose per-layer scale, tails and drift over training differ as real ones do.
+controller choosing 2..8 bits per layer, default 4, and TopK densities too with
+--families quant,topk) on P ranks as threads of this process, over the gradient buckets
+of ResNet-50 (embedded registration) or of FILE, with synthetic gradients whose
+per-layer scale, tails and drift over training differ as real ones do.
 Per epoch of the controller it prints the mean bits per layer group, the bytes against
 float32 and uniform 4 bits, the error against the budget and the solve time; it writes a
-PNG of the bits chosen for every layer at every step. The last line reads
+PNG of the codec chosen for every layer at every step. The last line reads
   demo: ranks=P steps=N bytes_vs_fp32=R bytes_vs_uniform=R error_vs_budget=R
 (bytes: float32's or uniform 4 bits' over lgreco's; error: measured squared error over
-uniform 4 bits', the budget at alpha = 1; both over the adaptive epochs).
+uniform 4 bits', the budget at alpha = 1; both over the adaptive epochs), followed by
+" families=quant,topk" when TopK is among the candidates.
 
   --steps N            steps (default 40; at least 7: the first switch is at step 6)
   --ranks P            ranks, 2..16 (default 4); each holds its gradients and the engine's buffers
@@ -91,6 +112,14 @@ uniform 4 bits', the budget at alpha = 1; both over the adaptive epochs).
   --png PATH           where the plot goes (default build/demo/bits.png)
   --registration FILE  a registration file (docs/REGISTRATION.md) instead of ResNet-50
   --algorithm A        the engine's algorithm (default auto: sra for 4 ranks and large buckets)
+  --families F         the codec families the controller chooses among (default quant):
+                         quant       quantization, 2..8 bits
+                         quant,topk  also TopK at densities 0.1%, 0.25%, 0.5%, 1%, 2%, 5%
+                                     (LGRECO_CANDIDATES=auto around topk:density=0.01),
+                                     64 k / n = 0.064..3.2 bits per value; a mixed call
+                                     all-gathers its TopK layers (docs/ENGINE.md). The
+                                     default codec stays quant:bits=4: the budget and the
+                                     uniform 4 bits comparison mean the same.
 )";
 
 struct Options {
@@ -100,7 +129,22 @@ struct Options {
   std::string png = "build/demo/bits.png";
   std::string registration;
   collective::Algorithm algorithm = collective::Algorithm::kAuto;
+  bool topk = false;  // --families quant,topk
 };
+
+// "quant" or "quant,topk" (either order). TopK alone is not offered: the default codec,
+// whose error is the budget, is 4-bit quantization.
+bool parse_families(const std::string& text, bool* topk) {
+  if (text == "quant") {
+    *topk = false;
+    return true;
+  }
+  if (text == "quant,topk" || text == "topk,quant") {
+    *topk = true;
+    return true;
+  }
+  return false;
+}
 
 Options parse_options(int argc, char** argv, bool* help) {
   Options o;
@@ -128,6 +172,13 @@ Options parse_options(int argc, char** argv, bool* help) {
       const std::string v = args.value();
       if (!collective::parse_algorithm(v, &o.algorithm))
         throw cli::UsageError("--algorithm must be auto, sra or allgather: " + v);
+    } else if (arg == "--families") {
+      const std::string v = args.value();
+      if (!parse_families(v, &o.topk))
+        throw cli::UsageError(
+            "--families must be quant or quant,topk" +
+            std::string(v == "topk" ? " (not topk alone: the budget is 4-bit quantization's error)" : "") + ": '" + v +
+            "'");
     } else {
       throw cli::UsageError("unknown option " + arg);
     }
@@ -197,7 +248,8 @@ struct LayerInfo {
   std::string name;
   uint32_t bucket = 0;
   uint64_t offset = 0, numel = 0;
-  uint64_t row = 0;  // elements per row (shape[0] rows), numel for 1-D tensors
+  uint64_t row = 0;               // elements per row (shape[0] rows), numel for 1-D tensors
+  DType dtype = DType::kFloat32;  // its bucket's
   bool adaptive = false;
   uint32_t model_position = 0;  // 0 = the input side (registrations list buckets output first)
   int group = 0;
@@ -226,6 +278,7 @@ Model describe(const config::Registration& reg, const std::vector<BucketLayout>&
       info.bucket = static_cast<uint32_t>(b);
       info.offset = r.offset;
       info.numel = r.numel;
+      info.dtype = reg.buckets[b].dtype;
       info.row = std::max<uint64_t>(r.shape.size() >= 2 && r.shape[0] > 0 ? r.numel / r.shape[0] : r.numel, 1);
       info.adaptive = layouts[b].layers[l].adaptive();
       m.values += r.numel;
@@ -372,7 +425,7 @@ class Gradients {
 // What rank 0 saw at one step.
 struct StepRecord {
   uint64_t epoch = 0;
-  std::vector<uint8_t> bits;  // per layer (registration order): quant bits, 0 for others
+  std::vector<uint8_t> choice;  // per layer (registration order): index into the candidates, or kNoChoice
   collective::EngineCounters counters;
   controller::Solution solution;  // of the assignment in effect
   double solve_ms = 0;
@@ -498,9 +551,12 @@ class Run {
     if (const auto a = engine.assignment()) s.solution = a->solution;
     if (const controller::Controller* c = engine.controller()) s.solve_ms = c->counters().last_solve_ms;
     for (uint32_t b = 0; b < layouts_.size(); ++b) s.algorithms.push_back(engine.algorithm(b));
+    const std::vector<CodecSpec>& candidates = engine_options_.candidates;
     for (uint32_t b = 0; b < layouts_.size(); ++b)
-      for (const CodecSpec& c : engine.layer_codecs(b))
-        s.bits.push_back(c.family() == CodecFamily::kQuant ? static_cast<uint8_t>(c.quant_params().bits) : 0);
+      for (const CodecSpec& c : engine.layer_codecs(b)) {
+        const size_t at = std::find(candidates.begin(), candidates.end(), c) - candidates.begin();
+        s.choice.push_back(at < candidates.size() ? static_cast<uint8_t>(at) : kNoChoice);
+      }
     return s;
   }
 
@@ -565,39 +621,127 @@ class Run {
 
 using cli::thousands;
 
+// The candidates adaptive layers choose among: quantization at 2..8 bits (index bits - 2),
+// then, with TopK, the densities of kTopkPpb in increasing order.
+std::vector<CodecSpec> make_candidates(bool topk) {
+  std::vector<CodecSpec> out;
+  for (int b = kMinBits; b <= kMaxBits; ++b) out.push_back(CodecSpec::parse("quant:bits=" + std::to_string(b)));
+  if (topk)
+    for (uint32_t ppb : kTopkPpb) out.push_back(CodecSpec::topk(TopkParams{ppb}));
+  return out;
+}
+
+// A density as a percentage: "0.1%", "0.25%", "1%".
+std::string percent(uint32_t ppb) {
+  char text[32];
+  snprintf(text, sizeof text, "%g%%", static_cast<double>(ppb) / 1e7);
+  return text;
+}
+
+// "quant bits 2..8" and, with TopK, " and topk densities 0.1%, ..., 5%".
+std::string candidates_text(bool topk) {
+  std::string s = "quant bits " + std::to_string(kMinBits) + ".." + std::to_string(kMaxBits);
+  if (topk) {
+    s += " and topk densities ";
+    for (size_t i = 0; i < std::size(kTopkPpb); ++i) s += (i ? ", " : "") + percent(kTopkPpb[i]);
+  }
+  return s;
+}
+
+// Bits per value a layer's choice costs, as the table shows it: quantization's code width
+// (its per-bucket minimum and unit, 0.06 bits more at buckets of 1024, left out, as the
+// demo always showed it), everything else its whole encoding: TopK's 64 k / n.
+double bits_per_value(const CodecSpec& c, const LayerInfo& l) {
+  if (c.family() == CodecFamily::kQuant) return c.quant_params().bits;
+  return 8.0 * static_cast<double>(collective::encoded_bytes(c, l.dtype, l.numel)) / static_cast<double>(l.numel);
+}
+
 // Viridis at seven points, for 2..8 bits.
 constexpr png::Rgb kBitColours[kMaxBits - kMinBits + 1] = {
     {68, 1, 84}, {68, 57, 131}, {49, 104, 142}, {33, 145, 140}, {53, 183, 121}, {144, 215, 67}, {253, 231, 37}};
-png::Rgb colour_of(int bits) {
-  if (bits < kMinBits || bits > kMaxBits) return {128, 128, 128};
-  return kBitColours[bits - kMinBits];
+// Dark red to peach (ColorBrewer OrRd), for the TopK densities, sparsest darkest as
+// viridis has its fewest bits darkest: no hue of viridis is near any of them.
+constexpr png::Rgb kTopkColours[std::size(kTopkPpb)] = {{127, 0, 0},    {179, 0, 0},    {215, 48, 31},
+                                                        {239, 101, 72}, {252, 141, 89}, {253, 187, 132}};
+constexpr png::Rgb kUnknownColour = {128, 128, 128};
+
+png::Rgb colour_of(const CodecSpec& c) {
+  if (c.family() == CodecFamily::kQuant) {
+    const int bits = c.quant_params().bits;
+    return bits < kMinBits || bits > kMaxBits ? kUnknownColour : kBitColours[bits - kMinBits];
+  }
+  if (c.family() == CodecFamily::kTopk) {
+    const uint32_t* at = std::find(std::begin(kTopkPpb), std::end(kTopkPpb), c.topk_params().density_ppb);
+    return at == std::end(kTopkPpb) ? kUnknownColour : kTopkColours[at - std::begin(kTopkPpb)];
+  }
+  return kUnknownColour;
+}
+
+// A candidate's legend label: "2".."8" for bits, ".1%", ".25%", "1%" for densities.
+std::string legend_label(const CodecSpec& c) {
+  if (c.family() == CodecFamily::kQuant) return std::to_string(c.quant_params().bits);
+  if (c.family() != CodecFamily::kTopk) return "";
+  std::string p = percent(c.topk_params().density_ppb);
+  return p.starts_with("0.") ? p.substr(1) : p;
+}
+
+// Text in the canvas's 3x5 font, with '%' drawn here (png::Canvas::text has digits, '.',
+// '-', ' ' and 'x'). Same advance per character as Canvas::text.
+void draw_label(png::Canvas& c, int x, int y, const std::string& s, png::Rgb colour, int scale) {
+  constexpr const char* kPercent[5] = {"x.x", "..x", ".x.", "x..", "x.x"};
+  for (char ch : s) {
+    if (ch == '%') {
+      for (int row = 0; row < 5; ++row)
+        for (int col = 0; col < 3; ++col)
+          if (kPercent[row][col] == 'x') c.fill(x + col * scale, y + row * scale, scale, scale, colour);
+      x += 4 * scale;
+    } else {
+      x = c.text(x, y, std::string_view(&ch, 1), colour, scale);
+    }
+  }
 }
 
 // Columns: adaptive layers in model order, a gap between groups; rows: steps, top down,
-// each switch ticked and numbered on the left; a legend of the bit colours on the right.
-std::vector<uint8_t> plot(const Model& m, const std::vector<std::vector<uint8_t>>& bits_by_step,
+// each switch ticked and numbered on the left; a legend of the candidates' colours on the
+// right (bits, then, below a gap, TopK densities).
+std::vector<uint8_t> plot(const Model& m, const std::vector<CodecSpec>& candidates,
+                          const std::vector<std::vector<uint8_t>>& choices_by_step,
                           const std::vector<uint64_t>& switch_steps) {
   const int layers = static_cast<int>(m.plot_order.size());
-  const int steps = static_cast<int>(bits_by_step.size());
+  const int steps = static_cast<int>(choices_by_step.size());
   const int cell_w = std::clamp(640 / std::max(layers, 1), 2, 12);
   const int rows = std::min(steps, 1024);  // past 1024 steps, rows sample the steps
   const int cell_h = std::clamp(480 / std::max(rows, 1), 1, 12);
   const auto new_group = [&](int i) {
     return i > 0 && m.layers[m.plot_order[i]].group != m.layers[m.plot_order[i - 1]].group;
   };
+  const auto colour = [&](uint8_t choice) {
+    return choice < candidates.size() ? colour_of(candidates[choice]) : kUnknownColour;
+  };
   const int gap = 2;
   int gaps = 0;
   for (int i = 1; i < layers; ++i) gaps += new_group(i) ? gap : 0;
-  const int margin = 6, left = margin + png::Canvas::text_width("000000") + 4, legend_w = 36;
+  // The legend: one row of 14 pixels per candidate, 6 more between families.
+  constexpr int kLegendRow = 14, kFamilyGap = 6;
+  std::vector<int> legend_y;
+  int legend_h = 0, label_w = 0;
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    if (i > 0 && candidates[i].family() != candidates[i - 1].family()) legend_h += kFamilyGap;
+    legend_y.push_back(legend_h);
+    legend_h += kLegendRow;
+    label_w = std::max(label_w, png::Canvas::text_width(legend_label(candidates[i]), 2));
+  }
+  const int margin = 6, left = margin + png::Canvas::text_width("000000") + 4;
+  const int legend_w = std::max(36, 16 + label_w + 6);
   const int plot_w = layers * cell_w + gaps, plot_h = rows * cell_h;
-  const int width = left + plot_w + margin + legend_w, height = std::max(plot_h, 7 * 14) + 2 * margin;
+  const int width = left + plot_w + margin + legend_w, height = std::max(plot_h, legend_h) + 2 * margin;
   png::Canvas c(static_cast<uint32_t>(width), static_cast<uint32_t>(height), {255, 255, 255});
   for (int row = 0; row < rows; ++row) {
     const int step = static_cast<int>(static_cast<int64_t>(row) * steps / rows);
     int x = left;
     for (int i = 0; i < layers; ++i) {
       if (new_group(i)) x += gap;
-      c.fill(x, margin + row * cell_h, cell_w, cell_h, colour_of(bits_by_step[step][m.plot_order[i]]));
+      c.fill(x, margin + row * cell_h, cell_w, cell_h, colour(choices_by_step[step][m.plot_order[i]]));
       x += cell_w;
     }
   }
@@ -608,10 +752,10 @@ std::vector<uint8_t> plot(const Model& m, const std::vector<std::vector<uint8_t>
     c.fill(left - 3, y, 3, 1, {0, 0, 0});
   }
   const int lx = left + plot_w + margin;
-  for (int b = kMinBits; b <= kMaxBits; ++b) {
-    const int y = margin + (b - kMinBits) * 14;
-    c.fill(lx, y, 12, 12, colour_of(b));
-    c.text(lx + 16, y + 1, std::to_string(b), {0, 0, 0}, 2);
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    const int y = margin + legend_y[i];
+    c.fill(lx, y, 12, 12, colour_of(candidates[i]));
+    draw_label(c, lx + 16, y + 1, legend_label(candidates[i]), {0, 0, 0}, 2);
   }
   return png::encode_rgb(c.width(), c.height(), c.pixels());
 }
@@ -619,7 +763,7 @@ std::vector<uint8_t> plot(const Model& m, const std::vector<std::vector<uint8_t>
 // What the demo adds up over an epoch, or over all adaptive epochs.
 struct Totals {
   uint64_t epoch = 0, first_step = 0, steps = 0;
-  std::vector<uint8_t> bits;      // per layer, at the first step
+  std::vector<uint8_t> choice;    // per layer, at the first step: index into the candidates
   controller::Solution solution;  // of the epoch's assignment
   double solve_ms = 0;
   uint64_t encoded = 0, uncompressed = 0, uniform = 0;  // bytes of one encoding per call
@@ -630,7 +774,8 @@ struct Totals {
 // The table, one line per epoch, printed on rank 0's thread as the steps come in.
 class Report {
  public:
-  Report(const Model& model, uint64_t uniform_bytes) : model_(model), uniform_bytes_(uniform_bytes) {
+  Report(const Model& model, const std::vector<CodecSpec>& candidates, bool topk, uint64_t uniform_bytes)
+      : model_(model), candidates_(candidates), topk_(topk), uniform_bytes_(uniform_bytes) {
     uniform_error_.assign(model.layers.size(), 0.0);
     uniform_norm_.assign(model.layers.size(), 0.0);
   }
@@ -644,12 +789,13 @@ class Report {
       snprintf(cell, sizeof cell, " %*s", widths_.back(), shown.c_str());
       header += cell;
     }
-    printf("%s    all  vs_fp32  vs_u4  pred/bud   rel_err    u4_err  err/bud  solve_ms\n", header.c_str());
+    printf("%s    all%s  vs_fp32  vs_u4  pred/bud   rel_err    u4_err  err/bud  solve_ms\n", header.c_str(),
+           topk_ ? " topk" : "");
     fflush(stdout);
   }
 
   void add(uint64_t step, const StepRecord& s) {
-    bits_by_step_.push_back(s.bits);
+    choices_by_step_.push_back(s.choice);
     if (step == 0) algorithms_ = s.algorithms;
     if (current_.steps == 0 || s.epoch != current_.epoch) {
       if (current_.steps > 0) {
@@ -659,7 +805,7 @@ class Report {
       current_ = Totals{};
       current_.epoch = s.epoch;
       current_.first_step = step;
-      current_.bits = s.bits;
+      current_.choice = s.choice;
       current_.solution = s.solution;
       current_.solve_ms = s.solve_ms;
     }
@@ -692,28 +838,58 @@ class Report {
   }
 
   const Totals& adaptive() const { return adaptive_; }
-  const std::vector<std::vector<uint8_t>>& bits_by_step() const { return bits_by_step_; }
+  const std::vector<std::vector<uint8_t>>& choices_by_step() const { return choices_by_step_; }
+
+  // With TopK among the candidates: which adaptive layers chose it, over the adaptive
+  // epochs, by group and by density. One line.
+  std::string topk_summary() const {
+    std::string s = "topk in the adaptive epochs: " + std::to_string(topk_layer_epochs_) + " of " +
+                    std::to_string(layer_epochs_) + " layer-epochs";
+    if (topk_layer_epochs_ == 0) return s + " (quantization everywhere)";
+    s += "; by group:";
+    for (size_t g = 0; g < model_.groups.size(); ++g)
+      if (topk_by_group_.count(g)) s += " " + model_.groups[g] + " " + std::to_string(topk_by_group_.at(g)) + ",";
+    s.back() = ';';
+    s += " by density:";
+    for (const auto& [ppb, n] : topk_by_density_) s += " " + percent(ppb) + " " + std::to_string(n) + ",";
+    s.pop_back();
+    return s;
+  }
   const std::vector<uint64_t>& switch_steps() const { return switch_steps_; }
   const std::vector<collective::Algorithm>& algorithms() const { return algorithms_; }
 
  private:
-  void print(const Totals& e) const {
+  void print(const Totals& e) {
     char steps[48];
     snprintf(steps, sizeof steps, "%llu-%llu", static_cast<unsigned long long>(e.first_step),
              static_cast<unsigned long long>(e.first_step + e.steps - 1));
     printf("%5llu %7s ", static_cast<unsigned long long>(e.epoch), steps);
     std::vector<double> bits(model_.groups.size(), 0), values(model_.groups.size(), 0);
     double all_bits = 0, all_values = 0;
+    int on_topk = 0;
     for (uint32_t i : model_.plot_order) {
       const LayerInfo& l = model_.layers[i];
-      bits[l.group] += static_cast<double>(e.bits[i]) * static_cast<double>(l.numel);
+      const uint8_t choice = e.choice[i];
+      const CodecSpec* c = choice < candidates_.size() ? &candidates_[choice] : nullptr;
+      bits[l.group] += (c ? bits_per_value(*c, l) : 0.0) * static_cast<double>(l.numel);
       values[l.group] += static_cast<double>(l.numel);
+      if (c && c->family() == CodecFamily::kTopk) {
+        ++on_topk;
+        if (e.epoch > 0) {
+          ++topk_layer_epochs_;
+          ++topk_by_group_[static_cast<size_t>(l.group)];
+          ++topk_by_density_[c->topk_params().density_ppb];
+        }
+      }
+      if (e.epoch > 0) ++layer_epochs_;
     }
     for (size_t g = 0; g < model_.groups.size(); ++g) {
       printf(" %*.2f", widths_[g], bits[g] / values[g]);
       all_bits += bits[g], all_values += values[g];
     }
-    printf(" %6.2f %8.2f %6.3f", all_bits / all_values, ratio(e.uncompressed, e.encoded), ratio(e.uniform, e.encoded));
+    printf(" %6.2f", all_bits / all_values);
+    if (topk_) printf(" %4d", on_topk);
+    printf(" %8.2f %6.3f", ratio(e.uncompressed, e.encoded), ratio(e.uniform, e.encoded));
     if (e.epoch > 0 && e.solution.budget > 0)
       printf(" %9.4f", e.solution.error / e.solution.budget);
     else
@@ -732,13 +908,19 @@ class Report {
   static double ratio(uint64_t a, uint64_t b) { return static_cast<double>(a) / static_cast<double>(b); }
 
   const Model& model_;
+  const std::vector<CodecSpec>& candidates_;
+  const bool topk_;
   const uint64_t uniform_bytes_;
   std::vector<int> widths_;
   // Uniform 4 bits, per layer: squared error and exact norm over the uniform steps used.
   std::vector<double> uniform_error_, uniform_norm_;
   Totals current_, adaptive_;
   collective::EngineCounters last_;
-  std::vector<std::vector<uint8_t>> bits_by_step_;
+  std::vector<std::vector<uint8_t>> choices_by_step_;
+  // Adaptive layers x adaptive epochs, and those on TopK: in all, by group, by density.
+  uint64_t layer_epochs_ = 0, topk_layer_epochs_ = 0;
+  std::map<size_t, uint64_t> topk_by_group_;
+  std::map<uint32_t, uint64_t> topk_by_density_;
   std::vector<uint64_t> switch_steps_;
   std::vector<collective::Algorithm> algorithms_;
 };
@@ -774,8 +956,7 @@ int run(int argc, char** argv) {
   EngineOptions options;
   options.mode = config::Mode::kAdaptive;
   options.codec = CodecSpec::parse("quant:bits=" + std::to_string(kDefaultBits));
-  for (int b = kMinBits; b <= kMaxBits; ++b)
-    options.candidates.push_back(CodecSpec::parse("quant:bits=" + std::to_string(b)));
+  options.candidates = make_candidates(o.topk);
   options.error_feedback = true;
   options.algorithm = o.algorithm;
   options.seed = mix(o.seed, 0x726f756e64);  // the rounding noise
@@ -807,8 +988,8 @@ int run(int argc, char** argv) {
       static_cast<ull>(config::kMinCompressedElements));
   printf(
       "# %d ranks as threads (in-process fabric, CPU backend), algorithm %s, error feedback; default %s, "
-      "candidates quant bits %d..%d\n",
-      o.ranks, collective::algorithm_name(o.algorithm), options.codec.str().c_str(), kMinBits, kMaxBits);
+      "candidates %s\n",
+      o.ranks, collective::algorithm_name(o.algorithm), options.codec.str().c_str(), candidates_text(o.topk).c_str());
   printf(
       "# controller: warmup %llu, period %llu, window %llu, switch lag %llu; alpha 1, squared error; switches at "
       "steps %llu, %llu, ...\n",
@@ -827,7 +1008,11 @@ int run(int argc, char** argv) {
       "# against the float64 sum of the inputs; u4_err: uniform 4 bits' (each layer's relative error in the\n"
       "# uniform steps %llu-%llu, at this epoch's norms); err/bud: measured squared error over uniform 4 bits'\n",
       static_cast<ull>(kFirstUniformStep), static_cast<ull>(kFirstSwitch - 1));
-  Report report(model, uniform_bytes);
+  if (o.topk)
+    printf(
+        "# a layer on topk counts 64 k / n bits per value (u32 index, f32 value per kept element; quant: its\n"
+        "# code width, as above); topk: how many adaptive layers use topk in the epoch\n");
+  Report report(model, options.candidates, o.topk, uniform_bytes);
   report.print_header();
 
   Run runner(o, layouts, options, model, gradients);
@@ -839,7 +1024,7 @@ int run(int argc, char** argv) {
     throw std::runtime_error("the controller never switched to an adaptive assignment in " + std::to_string(o.steps) +
                              " steps (a failed solve? LGRECO_DEBUG=INFO says more)");
 
-  const std::vector<uint8_t> png = plot(model, report.bits_by_step(), report.switch_steps());
+  const std::vector<uint8_t> png = plot(model, options.candidates, report.choices_by_step(), report.switch_steps());
   cli::write_file(o.png, png.data(), png.size());
   const double seconds = cli::seconds_now() - start;
   Timers mean;
@@ -855,9 +1040,11 @@ int run(int argc, char** argv) {
     used += (used.empty() ? "" : ", ") + name + " for " + std::to_string(count) + " of " +
             std::to_string(layouts.size()) + " buckets";
   printf(
-      "#\n# bits per layer: %s (%zu adaptive layers in model order, left to right, a gap between groups; %llu "
-      "steps, top to bottom, switches ticked on the left; colours for 2..8 bits in its legend)\n",
-      o.png.c_str(), model.plot_order.size(), static_cast<ull>(o.steps));
+      "#\n# %s per layer: %s (%zu adaptive layers in model order, left to right, a gap between groups; %llu "
+      "steps, top to bottom, switches ticked on the left; colours for %s in its legend)\n",
+      o.topk ? "codec" : "bits", o.png.c_str(), model.plot_order.size(), static_cast<ull>(o.steps),
+      o.topk ? "2..8 bits (viridis) and topk densities 0.1%..5% (red to peach)" : "2..8 bits");
+  if (o.topk) printf("# %s\n", report.topk_summary().c_str());
   printf(
       "# adaptive epochs, %llu steps: %s bytes per step against %s in float32 and %s at uniform 4 bits; "
       "relative error %.3e against uniform 4 bits' %.3e; engine: %s\n",
@@ -866,10 +1053,10 @@ int run(int argc, char** argv) {
       std::sqrt(adaptive.error / adaptive.norm), std::sqrt(adaptive.uniform_error / adaptive.norm), used.c_str());
   printf("# %.1f s; per rank: gradients %.1f s, allreduce %.1f s, error check %.1f s\n", seconds, mean.generate,
          mean.allreduce, mean.check);
-  printf("demo: ranks=%d steps=%llu bytes_vs_fp32=%.3f bytes_vs_uniform=%.3f error_vs_budget=%.4f\n", o.ranks,
+  printf("demo: ranks=%d steps=%llu bytes_vs_fp32=%.3f bytes_vs_uniform=%.3f error_vs_budget=%.4f%s\n", o.ranks,
          static_cast<ull>(o.steps), static_cast<double>(adaptive.uncompressed) / static_cast<double>(adaptive.encoded),
          static_cast<double>(adaptive.uniform) / static_cast<double>(adaptive.encoded),
-         adaptive.error / adaptive.uniform_error);
+         adaptive.error / adaptive.uniform_error, o.topk ? " families=quant,topk" : "");
   return 0;
 }
 

@@ -1,7 +1,7 @@
 // lgreco-demo as `make demo` runs it, shortened: the embedded ResNet-50 registration on
-// 2 ranks, a small registration file on 4, and its command-line errors. Checks the last
-// line's format and sanity (ratios above 1, a finite error ratio), one table line per
-// epoch and the PNG.
+// 2 ranks, a small registration file on 4 (quantization alone, and with TopK among the
+// candidates), and its command-line errors. Checks the last line's format and sanity
+// (ratios above 1, a finite error ratio), one table line per epoch and the PNG.
 #include <boost/test/unit_test.hpp>
 #include <cmath>
 #include <regex>
@@ -27,18 +27,20 @@ struct Summary {
   int ranks = 0;
   int steps = 0;
   double vs_fp32 = 0, vs_uniform = 0, error_vs_budget = 0;
+  std::string families = "quant";  // " families=..." at the end of the line, when not quant alone
 };
 
 Summary check_last_line(const std::string& output) {
   const std::string line = last_line(output);
   static const std::regex format(
       R"(demo: ranks=(\d+) steps=(\d+) bytes_vs_fp32=(\d+\.\d+) bytes_vs_uniform=(\d+\.\d+) )"
-      R"(error_vs_budget=(\d+\.\d+))");
+      R"(error_vs_budget=(\d+\.\d+)(?: families=(quant,topk))?)");
   std::smatch m;
   BOOST_TEST_REQUIRE(std::regex_match(line, m, format), "last line: " << line);
   Summary s{std::stoi(m[1]), std::stoi(m[2]), std::stod(m[3]), std::stod(m[4]), std::stod(m[5])};
+  if (m[6].matched) s.families = m[6];
   BOOST_TEST(s.vs_fp32 > 1.0, line);
-  BOOST_TEST(s.vs_uniform > 1.0, line);  // adaptive bit widths send fewer bytes than uniform 4 bits
+  BOOST_TEST(s.vs_uniform > 1.0, line);  // adaptive choices send fewer bytes than uniform 4 bits
   BOOST_TEST(s.vs_fp32 > s.vs_uniform, line);
   BOOST_TEST(std::isfinite(s.error_vs_budget), line);
   BOOST_TEST(s.error_vs_budget > 0.0, line);
@@ -49,6 +51,24 @@ bool is_png(const std::string& path) {
   const std::vector<uint8_t> b = test::read_bytes(path);
   const uint8_t signature[8] = {0x89, 'P', 'N', 'G', '\r', '\n', 0x1a, '\n'};
   return b.size() > 8 + 25 && std::equal(signature, signature + 8, b.begin());
+}
+
+// Two buckets, four adaptive layers in four groups (one bucket bfloat16), three kept.
+const char kTinyRegistration[] = R"({"version": 1, "model": "tiny", "buckets": [
+    {"count": 52300, "dtype": "float32", "layers": [
+      {"name": "head.bias", "offset": 0, "numel": 100, "shape": [100]},
+      {"name": "head.weight", "offset": 100, "numel": 51200, "shape": [100, 512]},
+      {"name": "block2.norm.weight", "offset": 51300, "numel": 1000, "shape": [1000]}]},
+    {"count": 86016, "dtype": "bfloat16", "layers": [
+      {"name": "block2.conv.weight", "offset": 0, "numel": 36864, "shape": [64, 64, 3, 3]},
+      {"name": "block1.conv.weight", "offset": 36864, "numel": 36864, "shape": [64, 64, 3, 3]},
+      {"name": "block1.small.weight", "offset": 73728, "numel": 512, "shape": [8, 64]},
+      {"name": "stem.weight", "offset": 74240, "numel": 11776, "shape": [64, 184]}]}]})";
+
+std::string write_tiny_registration(const test::TempDir& dir) {
+  const std::string path = dir.file("tiny.json");
+  test::write_bytes(path, kTinyRegistration, sizeof kTinyRegistration - 1);
+  return path;
 }
 
 }  // namespace
@@ -75,23 +95,16 @@ BOOST_AUTO_TEST_CASE(resnet50_embedded_short_run) {
 
 BOOST_AUTO_TEST_CASE(registration_file_on_four_ranks) {
   test::TempDir dir;
-  const std::string reg = R"({"version": 1, "model": "tiny", "buckets": [
-    {"count": 52300, "dtype": "float32", "layers": [
-      {"name": "head.bias", "offset": 0, "numel": 100, "shape": [100]},
-      {"name": "head.weight", "offset": 100, "numel": 51200, "shape": [100, 512]},
-      {"name": "block2.norm.weight", "offset": 51300, "numel": 1000, "shape": [1000]}]},
-    {"count": 86016, "dtype": "bfloat16", "layers": [
-      {"name": "block2.conv.weight", "offset": 0, "numel": 36864, "shape": [64, 64, 3, 3]},
-      {"name": "block1.conv.weight", "offset": 36864, "numel": 36864, "shape": [64, 64, 3, 3]},
-      {"name": "block1.small.weight", "offset": 73728, "numel": 512, "shape": [8, 64]},
-      {"name": "stem.weight", "offset": 74240, "numel": 11776, "shape": [64, 184]}]}]})";
-  test::write_bytes(dir.file("tiny.json"), reg.data(), reg.size());
+  const std::string reg = write_tiny_registration(dir);
   const std::string png = dir.file("tiny.png");
-  const auto r = test::run_command(demo() + " --steps 17 --registration " + dir.file("tiny.json") + " --png " + png);
+  const auto r = test::run_command(demo() + " --steps 17 --registration " + reg + " --png " + png);
   BOOST_TEST_REQUIRE(r.exit_code == 0, r.output);
   const Summary s = check_last_line(r.output);
   BOOST_TEST(s.ranks == 4);
   BOOST_TEST(s.steps == 17);
+  BOOST_TEST(s.families == "quant");
+  BOOST_TEST(test::contains(r.output, "candidates quant bits 2..8\n"), r.output);
+  BOOST_TEST(!test::contains(r.output, "topk"), r.output);
   BOOST_TEST(test::contains(r.output, "model tiny"));
   BOOST_TEST(test::contains(r.output, "4 layers (136,704 values) adaptive"), r.output);
   // Groups in model order (the reverse of the registration's): stem, block1, block2, head.
@@ -101,16 +114,68 @@ BOOST_AUTO_TEST_CASE(registration_file_on_four_ranks) {
   BOOST_TEST(is_png(png));
 }
 
+// --families quant,topk on the small registration: TopK densities join the candidates,
+// the default stays 4 bits, and some layer takes TopK in some adaptive epoch: counted
+// per epoch in the `topk` column and summed, by group and density, in a comment line.
+BOOST_AUTO_TEST_CASE(topk_among_the_candidates) {
+  test::TempDir dir;
+  const std::string reg = write_tiny_registration(dir);
+  const std::string png = dir.file("codecs.png");
+  const auto r =
+      test::run_command(demo() + " --steps 17 --families quant,topk --registration " + reg + " --png " + png);
+  BOOST_TEST_REQUIRE(r.exit_code == 0, r.output);
+  const Summary s = check_last_line(r.output);
+  BOOST_TEST(s.ranks == 4);
+  BOOST_TEST(s.steps == 17);
+  BOOST_TEST(s.families == "quant,topk");
+  BOOST_TEST(test::contains(r.output,
+                            "default quant:bits=4,bucket=1024,rounding=stochastic, candidates quant bits 2..8 and topk "
+                            "densities 0.1%, 0.25%, 0.5%, 1%, 2%, 5%\n"),
+             r.output);
+  BOOST_TEST(test::contains(r.output, "  stem block1 block2   head    all topk  vs_fp32"), r.output);
+  // The table: epoch, steps, the mean bits of the 4 groups and of all, then the count of
+  // adaptive layers on TopK.
+  static const std::regex row(R"(\n +(\d+) +\d+-\d+ +(?:\d+\.\d\d +){5}(\d+) )");
+  std::vector<int> on_topk;  // per epoch
+  for (std::sregex_iterator it(r.output.begin(), r.output.end(), row), end; it != end; ++it) {
+    BOOST_TEST(std::stoi((*it)[1]) == static_cast<int>(on_topk.size()), it->str());
+    on_topk.push_back(std::stoi((*it)[2]));
+  }
+  BOOST_TEST_REQUIRE(on_topk.size() == 4u, r.output);  // epochs 0-3
+  BOOST_TEST(on_topk[0] == 0);                         // uniform 4 bits
+  int adaptive_on_topk = 0;
+  for (size_t e = 1; e < on_topk.size(); ++e) {
+    BOOST_TEST(on_topk[e] <= 4);
+    adaptive_on_topk += on_topk[e];
+  }
+  BOOST_TEST(adaptive_on_topk > 0, r.output);
+  std::smatch m;
+  static const std::regex summary(R"(# topk in the adaptive epochs: (\d+) of 12 layer-epochs; by group: )");
+  BOOST_TEST_REQUIRE(std::regex_search(r.output, m, summary), r.output);
+  BOOST_TEST(std::stoi(m[1]) == adaptive_on_topk, r.output);
+  BOOST_TEST(test::contains(r.output, "# codec per layer: " + png), r.output);
+  BOOST_TEST(is_png(png));
+}
+
 BOOST_AUTO_TEST_CASE(command_line_errors) {
   test::TempDir dir;
   const auto help = test::run_command(demo() + " --help");
   BOOST_TEST(help.exit_code == 0);
   BOOST_TEST(test::contains(help.output, "usage: lgreco-demo"));
-  for (const char* bad :
-       {"--steps 6", "--steps x", "--ranks 0", "--ranks 1", "--ranks 17", "--algorithm ring", "--bogus", "--png"}) {
+  BOOST_TEST(test::contains(help.output, "--families F"));
+  for (const char* bad : {"--steps 6", "--steps x", "--ranks 0", "--ranks 1", "--ranks 17", "--algorithm ring",
+                          "--bogus", "--png", "--families"}) {
     const auto r = test::run_command(demo() + " " + bad);
     BOOST_TEST(r.exit_code == 2, bad << ": " << r.output);
     BOOST_TEST(test::contains(r.output, "Try 'lgreco-demo --help'"), bad << ": " << r.output);
+  }
+  // A family list other than quant or quant,topk, named in the message.
+  for (const char* value : {"foo", "topk", "", "quant,", "quant,topk,powersgd"}) {
+    const auto r = test::run_command(demo() + " --families '" + value + "'");
+    BOOST_TEST(r.exit_code == 2, value << ": " << r.output);
+    BOOST_TEST(test::contains(r.output, "--families must be quant or quant,topk"), value << ": " << r.output);
+    BOOST_TEST(test::contains(r.output, "'" + std::string(value) + "'"), value << ": " << r.output);
+    BOOST_TEST(test::contains(r.output, "Try 'lgreco-demo --help'"), value << ": " << r.output);
   }
   // An unwritable plot path fails before the run, not after it.
   const auto unwritable = test::run_command(demo() + " --png /proc/lgreco-none/bits.png");
