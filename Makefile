@@ -166,13 +166,20 @@ $(TEST_BIN): $(TEST_OBJS) $(CORE_LIB)
 $(TEST_OBJS): CPPFLAGS += -DBOOST_TEST_DYN_LINK
 
 # The CUDA kernels against the CPU reference, and their throughput, on a GPU
-# (tests/gpu/quant_cuda_check.cc; run by tests/gpu/run.sh codec), and the engine's CUDA
-# backend against its CPU backend (below). Built with CUDA only,
+# (tests/gpu/quant_cuda_check.cc; run by tests/gpu/run.sh codec; the TopK kernels' below),
+# and the engine's CUDA backend against its CPU backend (below). Built with CUDA only,
 # and by `make test` so that CI compiles it; nothing runs it there (it needs a GPU).
 ifeq ($(HAVE_CUDA),1)
-GPU_CHECK_BIN := $(BUILD)/bin/lgreco-gpu-codec-check $(BUILD)/bin/lgreco-gpu-backend-check $(BUILD)/bin/lgreco-gpu-net-check
-$(call obj,tests/gpu/quant_cuda_check.cc tests/gpu/backend_check.cc tests/gpu/net_check.cc): CPPFLAGS += -isystem $(CUDA_HOME)/include
+GPU_CHECK_BIN := $(BUILD)/bin/lgreco-gpu-codec-check $(BUILD)/bin/lgreco-gpu-backend-check $(BUILD)/bin/lgreco-gpu-net-check \
+                 $(BUILD)/bin/lgreco-gpu-topk-check
+$(call obj,tests/gpu/quant_cuda_check.cc tests/gpu/backend_check.cc tests/gpu/net_check.cc tests/gpu/topk_cuda_check.cc): \
+  CPPFLAGS += -isystem $(CUDA_HOME)/include
 $(BUILD)/bin/lgreco-gpu-codec-check: $(call obj,tests/gpu/quant_cuda_check.cc) $(CORE_LIB)
+	@mkdir -p $(@D)
+	$(CXX) -o $@ $< $(CORE_LIB) $(CUDA_LIBS) -ldl -pthread
+# The TopK kernels against the CPU reference, and their speed (tests/gpu/topk_cuda_check.cc;
+# run by tests/gpu/run.sh families).
+$(BUILD)/bin/lgreco-gpu-topk-check: $(call obj,tests/gpu/topk_cuda_check.cc) $(CORE_LIB)
 	@mkdir -p $(@D)
 	$(CXX) -o $@ $< $(CORE_LIB) $(CUDA_LIBS) -ldl -pthread
 # The engine's CUDA backend against the CPU backend (tests/gpu/backend_check.cc; run by

@@ -15,6 +15,13 @@
 #              pass of --check --quick (when compute-sanitizer is there and works), and
 #              --bench; the bench table is printed after the summary. About 3 minutes
 #              on an H200, most of it a cold build; every step is bounded (9 at most)
+#   families   the kernels of the codec families beyond quantization, TopK so far
+#              (build/bin/lgreco-gpu-topk-check, built here): --check against the CPU
+#              reference (a difference fails), --bench against the target (encode of 1e8
+#              float32 at density 0.01 in <= 0.5 ms; met or missed is INFO; table after
+#              the summary), one compute-sanitizer memcheck pass of --check --quick while
+#              time is left. About 4-6 minutes on an H200 with a cold build; bounded by
+#              LGRECO_GPU_FAMILIES_SECONDS (default 420).
 #   backend    the engine's CUDA backend (build/bin/lgreco-gpu-backend-check, built here)
 #              against its CPU backend: --check (every operation byte for byte on random
 #              plans, stream switching, the memory cap, events, marks), and one
@@ -256,6 +263,113 @@ section_codec() {
   fi
   row codec "bench targets" "$r" "$(cut -c1-200 <<< "${targets:-no TARGETS line}")"
   fail_if "$r"
+}
+
+# The codec families' kernels beyond quantization, one function per family, each with its
+# own deadline. TopK: lgreco-gpu-topk-check, built here, --check against the CPU reference
+# (FAIL on any difference), --bench against the issue's target (encode of 1e8 float32 at
+# density 0.01 in <= 0.5 ms; met or missed is INFO, the table comes after the summary),
+# then one compute-sanitizer memcheck pass of --check --quick while time is left; its steps
+# share LGRECO_GPU_FAMILIES_SECONDS (default 420 s). Expected on an H200: build 1-2 min
+# cold (less after codec), --check about a minute (the CPU reference of 1e7 values
+# dominates), --bench under 30 s, memcheck 1-3 min.
+families_deadline=0
+section_families() {
+  section_families_topk
+}
+
+# TopK's steps of the families section (a step that cannot go on returns; the next
+# family's steps run anyway).
+section_families_topk() {
+  local bin=build/bin/lgreco-gpu-topk-check cuda rc detail r t line
+  families_deadline=$((SECONDS + ${LGRECO_GPU_FAMILIES_SECONDS:-420}))
+  cuda=$(cuda_home)
+  if [[ ! -x "$cuda/bin/nvcc" ]]; then
+    row families "build lgreco-gpu-topk-check" FAIL "no nvcc ($cuda/bin/nvcc, PATH): set CUDA_HOME"; failed=1; return
+  fi
+  t=$(step_time 300 "$families_deadline")
+  NVCC_APPEND_FLAGS="${NVCC_APPEND_FLAGS:+$NVCC_APPEND_FLAGS }--threads 0" \
+    timeout "$t" make -j"$JOBS" "$bin" CUDA_HOME="$cuda" PYTHON="$PY" > "$OUT/families-build.log" 2>&1
+  rc=$?
+  if [[ $rc -ne 0 || ! -x "$bin" ]]; then
+    detail=$(grep -m 1 -E 'error|No rule' "$OUT/families-build.log" | cut -c1-100)
+    detail="exit $rc: ${detail:-$(last_line "$OUT/families-build.log")}"
+    [[ $rc -eq 124 ]] && detail="timed out after $t s"
+    row families "build lgreco-gpu-topk-check" FAIL "$detail (families-build.log)"; failed=1; return
+  fi
+  row families "build lgreco-gpu-topk-check" PASS "CUDA at $cuda"
+
+  # TopK parity with the CPU reference. Exit 2 is "no CUDA device", 3 its own time limit.
+  t=$(step_time 180 "$families_deadline")
+  if [[ $t -eq 0 ]]; then row families "topk --check" FAIL "skipped: the section ran out of time"; failed=1; return; fi
+  timeout "$t" "$bin" --check --time-limit $((t - 10)) > "$OUT/families-topk-check.log" 2>&1
+  rc=$?
+  detail=$(grep -E '^SUMMARY: ' "$OUT/families-topk-check.log" | tail -n 1 | cut -c10-)
+  [[ -z "$detail" ]] && detail="exit $rc: $(last_line "$OUT/families-topk-check.log")"
+  [[ $rc -eq 124 ]] && detail="timed out after $t s; $(last_line "$OUT/families-topk-check.log")"
+  r=PASS; [[ $rc -eq 0 ]] || r=FAIL
+  row families "topk --check" "$r" "$detail (families-topk-check.log)"
+  fail_if "$r"
+  while IFS= read -r line; do
+    row families "  failed" FAIL "$(cut -c1-150 <<< "${line#\# failed: }")"
+  done < <(grep -E '^# failed: ' "$OUT/families-topk-check.log" | head -n 6)
+
+  # Speed: encode of 1e8 float32 at densities 0.01 and 0.001 (and the other kernels, for
+  # information); the target is reported, a miss does not fail the section.
+  t=$(step_time 120 "$families_deadline")
+  if [[ $t -eq 0 ]]; then row families "topk --bench" FAIL "skipped: the section ran out of time"; failed=1; return; fi
+  timeout "$t" "$bin" --bench --time-limit $((t - 10)) > "$OUT/families-topk-bench.log" 2>&1
+  rc=$?
+  if [[ $rc -ne 0 ]]; then
+    detail="exit $rc: $(last_line "$OUT/families-topk-bench.log")"
+    [[ $rc -eq 124 ]] && detail="timed out after $t s"
+    row families "topk --bench" FAIL "$detail (families-topk-bench.log)"; failed=1
+  else
+    sed -n '/^== lgreco-gpu-topk-check --bench/,$p' "$OUT/families-topk-bench.log" > "$OUT/families-topk-bench-table.txt"
+    appendix+=("$OUT/families-topk-bench-table.txt")
+    line=$(grep -E '^TARGET: ' "$OUT/families-topk-bench.log" | tail -n 1 | cut -c9-)
+    if [[ "$line" =~ :\ met ]]; then detail="met: $line"
+    elif [[ -n "$line" ]]; then detail="missed: $line"
+    else detail="missed: no TARGET line (families-topk-bench.log)"; fi
+    row families "topk target: 1e8 f32 1% <= 0.5 ms" INFO "$(cut -c1-200 <<< "$detail")"
+  fi
+
+  # One compute-sanitizer memcheck pass of --check --quick, if the tool is here, works on a
+  # trivial run (--info) and time is left: out-of-bounds accesses fail the row.
+  local cs="" c
+  for c in "$(command -v compute-sanitizer 2>/dev/null)" "$cuda/bin/compute-sanitizer" \
+           "$cuda/compute-sanitizer/compute-sanitizer"; do
+    if [[ -n "$c" && -x "$c" ]]; then cs=$c; break; fi
+  done
+  t=$(step_time 60 "$families_deadline")
+  if [[ -z "$cs" ]]; then
+    row families "topk memcheck" INFO "skipped: compute-sanitizer not found (PATH, $cuda/bin, $cuda/compute-sanitizer)"
+  elif [[ $t -eq 0 ]]; then
+    row families "topk memcheck" INFO "skipped: the section ran out of time"
+  else
+    timeout "$t" "$cs" --tool memcheck --error-exitcode 99 "$bin" --info > "$OUT/families-sanitizer-trivial.log" 2>&1
+    rc=$?
+    t=$(step_time 240 "$families_deadline")
+    if [[ $rc -ne 0 ]]; then
+      row families "topk memcheck" INFO \
+        "skipped: it fails on a trivial run (--info, exit $rc): $(last_line "$OUT/families-sanitizer-trivial.log")"
+    elif [[ $t -eq 0 ]]; then
+      row families "topk memcheck" INFO "skipped: the section ran out of time"
+    else
+      timeout "$t" "$cs" --tool memcheck --error-exitcode 99 --print-limit 20 \
+        "$bin" --check --quick --time-limit $((t - 10)) > "$OUT/families-topk-memcheck.log" 2>&1
+      rc=$?
+      local errors result
+      errors=$(grep -E 'ERROR SUMMARY' "$OUT/families-topk-memcheck.log" | tail -n 1 | sed 's/^[= ]*//')
+      result=$(grep -E '^RESULT: ' "$OUT/families-topk-memcheck.log" | tail -n 1)
+      r=PASS
+      if [[ $rc -eq 99 || $rc -eq 124 || ! "$errors" =~ ERROR\ SUMMARY:\ 0\ errors ]]; then r=FAIL; fi
+      detail="${errors:-no ERROR SUMMARY (exit $rc)}; --check --quick ${result:-exit $rc}"
+      [[ $rc -eq 124 ]] && detail="timed out after $t s; $detail"
+      row families "topk memcheck --check --quick" "$r" "$detail (families-topk-memcheck.log)"
+      fail_if "$r"
+    fi
+  fi
 }
 
 # The engine's CUDA backend against the CPU backend. Its steps share one deadline
@@ -606,15 +720,16 @@ section_net() {
 }
 
 sections=("$@")
-[[ ${#sections[@]} -eq 0 ]] && sections=(register codec backend shim net)
+[[ ${#sections[@]} -eq 0 ]] && sections=(register codec families backend shim net)
 for s in "${sections[@]}"; do
   case "$s" in
     register) section_register ;;
     codec) section_codec ;;
+    families) section_families ;;
     backend) section_backend ;;
     shim) section_shim ;;
     net) section_net ;;
-    *) echo "tests/gpu/run.sh: unknown section '$s' (sections: register codec backend shim net)" >&2; exit 2 ;;
+    *) echo "tests/gpu/run.sh: unknown section '$s' (sections: register codec families backend shim net)" >&2; exit 2 ;;
   esac
 done
 
