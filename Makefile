@@ -201,6 +201,20 @@ ifeq ($(HAVE_CUDA),1)
 $(call obj,tools/lgreco_bench.cc): CPPFLAGS += -isystem $(CUDA_HOME)/include -DLGRECO_BENCH_CUDA
 endif
 
+# PowerSGD's CUDA module (kernels/lowrank_cuda.h) against the CPU reference, and the time
+# of one step (tests/gpu/lowrank_cuda_check.cc; the last step of tests/gpu/run.sh
+# families). cuBLAS is not linked: the module dlopens libcublas.so.<major> (the loader's
+# path, then this toolkit's lib64), so liblgreco.so loads where cuBLAS is missing and
+# shares a framework's.
+ifeq ($(HAVE_CUDA),1)
+GPU_CHECK_BIN += $(BUILD)/bin/lgreco-gpu-lowrank-check
+$(call obj,tests/gpu/lowrank_cuda_check.cc): CPPFLAGS += -isystem $(CUDA_HOME)/include
+$(BUILD)/bin/lgreco-gpu-lowrank-check: $(call obj,tests/gpu/lowrank_cuda_check.cc) $(CORE_LIB)
+	@mkdir -p $(@D)
+	$(CXX) -o $@ $< $(CORE_LIB) $(CUDA_LIBS) -ldl -pthread
+$(call obj,kernels/lowrank_cuda.cu): NVCCFLAGS += -DLGRECO_CUDA_LIB_DIR='"$(CUDA_HOME)/lib64"'
+endif
+
 # A stand-in libnccl and a program linked against it (tests/interpose/): a framework's
 # NCCL calls through the PLT, for the LD_PRELOAD test in tests/unit/library_test.cc,
 # which needs no GPU.

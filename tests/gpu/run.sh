@@ -21,7 +21,11 @@
 #              float32 at density 0.01 in <= 0.5 ms; met or missed is INFO; table after
 #              the summary), one compute-sanitizer memcheck pass of --check --quick while
 #              time is left. About 4-6 minutes on an H200 with a cold build; bounded by
-#              LGRECO_GPU_FAMILIES_SECONDS (default 420).
+#              LGRECO_GPU_FAMILIES_SECONDS (default 420). Then PowerSGD's module
+#              (build/bin/lgreco-gpu-lowrank-check: --check against the CPU reference
+#              within docs/KERNELS.md's tolerances, --bench of one step, memcheck), about
+#              1-3 minutes more, bounded by LGRECO_GPU_LOWRANK_SECONDS (default 150). Run
+#              the section as its own device-tool command.
 #   backend    the engine's CUDA backend (build/bin/lgreco-gpu-backend-check, built here)
 #              against its CPU backend: --check (every operation byte for byte on random
 #              plans, stream switching, the memory cap, events, marks), and one
@@ -276,6 +280,8 @@ section_codec() {
 families_deadline=0
 section_families() {
   section_families_topk
+  # PowerSGD's CUDA module: its own steps and deadline (below).
+  section_families_lowrank
 }
 
 # TopK's steps of the families section (a step that cannot go on returns; the next
@@ -367,6 +373,109 @@ section_families_topk() {
       detail="${errors:-no ERROR SUMMARY (exit $rc)}; --check --quick ${result:-exit $rc}"
       [[ $rc -eq 124 ]] && detail="timed out after $t s; $detail"
       row families "topk memcheck --check --quick" "$r" "$detail (families-topk-memcheck.log)"
+      fail_if "$r"
+    fi
+  fi
+}
+
+# PowerSGD's CUDA module (kernels/lowrank_cuda.h), the last step of the families section:
+# lgreco-gpu-lowrank-check, built here, --check against the CPU reference (every operation;
+# the tolerances are docs/KERNELS.md's, "PowerSGD on the GPU"; FAIL above them or on any
+# difference where bits must match), --bench (one step, project + orthonormalize +
+# back_project + reconstruct, of a 4096 x 4096 float32 layer at rank 4 and 32 and of
+# ResNet-50's 54 matrix layers at rank 4, median of 30 with CUDA events: INFO rows, the
+# table after the summary), then one compute-sanitizer memcheck pass of --check --quick
+# while time is left. Its own deadline (LGRECO_GPU_LOWRANK_SECONDS, default 150 s), so that
+# the TopK steps before it cannot starve it. Expected on an H200: the build is one file and
+# a link after TopK's, --check 30-60 s (the CPU reference of the 1024 x 4096 layers at
+# rank 32 dominates), --bench under 15 s, memcheck 1-2 min.
+section_families_lowrank() {
+  local bin=build/bin/lgreco-gpu-lowrank-check cuda rc detail r t line deadline
+  deadline=$((SECONDS + ${LGRECO_GPU_LOWRANK_SECONDS:-150}))
+  cuda=$(cuda_home)
+  if [[ ! -x "$cuda/bin/nvcc" ]]; then
+    row families "build lgreco-gpu-lowrank-check" FAIL "no nvcc ($cuda/bin/nvcc, PATH): set CUDA_HOME"; failed=1; return
+  fi
+  t=$(step_time 120 "$deadline")
+  NVCC_APPEND_FLAGS="${NVCC_APPEND_FLAGS:+$NVCC_APPEND_FLAGS }--threads 0" \
+    timeout "$t" make -j"$JOBS" "$bin" CUDA_HOME="$cuda" PYTHON="$PY" > "$OUT/lowrank-build.log" 2>&1
+  rc=$?
+  if [[ $rc -ne 0 || ! -x "$bin" ]]; then
+    detail=$(grep -m 1 -E 'error|No rule' "$OUT/lowrank-build.log" | cut -c1-100)
+    detail="exit $rc: ${detail:-$(last_line "$OUT/lowrank-build.log")}"
+    [[ $rc -eq 124 ]] && detail="timed out after $t s"
+    row families "build lgreco-gpu-lowrank-check" FAIL "$detail (lowrank-build.log)"; failed=1; return
+  fi
+  row families "build lgreco-gpu-lowrank-check" PASS "CUDA at $cuda"
+
+  # Parity with the CPU reference. Exit 2 is "no CUDA device", 3 its own time limit.
+  t=$(step_time 120 "$deadline")
+  if [[ $t -eq 0 ]]; then row families "lowrank --check" FAIL "skipped: the section ran out of time"; failed=1; return; fi
+  timeout "$t" "$bin" --check --time-limit $((t - 10)) > "$OUT/lowrank-check.log" 2>&1
+  rc=$?
+  detail=$(grep -E '^SUMMARY: ' "$OUT/lowrank-check.log" | tail -n 1 | cut -c10-)
+  [[ -z "$detail" ]] && detail="exit $rc: $(last_line "$OUT/lowrank-check.log")"
+  [[ $rc -eq 124 ]] && detail="timed out after $t s; $(last_line "$OUT/lowrank-check.log")"
+  r=PASS; [[ $rc -eq 0 ]] || r=FAIL
+  row families "lowrank --check" "$r" "$(cut -c1-300 <<< "$detail") (lowrank-check.log)"
+  fail_if "$r"
+  while IFS= read -r line; do
+    row families "  failed" FAIL "$(cut -c1-150 <<< "${line#\# failed: }")"
+  done < <(grep -E '^# failed: ' "$OUT/lowrank-check.log" | head -n 6)
+
+  # One step's time; a row per case, the lines after the summary.
+  t=$(step_time 60 "$deadline")
+  if [[ $t -eq 0 ]]; then row families "lowrank --bench" FAIL "skipped: the section ran out of time"; failed=1; return; fi
+  timeout "$t" "$bin" --bench --reps 30 --time-limit $((t - 10)) > "$OUT/lowrank-bench.log" 2>&1
+  rc=$?
+  if [[ $rc -ne 0 ]]; then
+    detail="exit $rc: $(last_line "$OUT/lowrank-bench.log")"
+    [[ $rc -eq 124 ]] && detail="timed out after $t s"
+    row families "lowrank --bench" FAIL "$detail (lowrank-bench.log)"; failed=1
+  else
+    { echo "== lgreco-gpu-lowrank-check --bench: one PowerSGD step on the GPU =="
+      grep -E '^(# |bench )' "$OUT/lowrank-bench.log"; } > "$OUT/lowrank-bench-table.txt"
+    appendix+=("$OUT/lowrank-bench-table.txt")
+    while IFS= read -r line; do
+      row families "lowrank step" INFO "$(sed -E 's/^bench +//; s/ +step +/: /; s/ +/ /g' <<< "$line" | cut -c1-200)"
+    done < <(grep -E '^bench ' "$OUT/lowrank-bench.log")
+  fi
+
+  # compute-sanitizer memcheck of --check --quick (cuBLAS's kernels included), as for TopK.
+  local cs="" c
+  for c in "$(command -v compute-sanitizer 2>/dev/null)" "$cuda/bin/compute-sanitizer" \
+           "$cuda/compute-sanitizer/compute-sanitizer"; do
+    if [[ -n "$c" && -x "$c" ]]; then cs=$c; break; fi
+  done
+  t=$(step_time 60 "$deadline")
+  if [[ -z "$cs" ]]; then
+    row families "lowrank memcheck" INFO "skipped: compute-sanitizer not found (PATH, $cuda/bin, $cuda/compute-sanitizer)"
+  elif [[ $t -eq 0 ]]; then
+    row families "lowrank memcheck" INFO "skipped: the section ran out of time"
+  else
+    timeout "$t" "$cs" --tool memcheck --error-exitcode 99 "$bin" --info > "$OUT/lowrank-sanitizer-trivial.log" 2>&1
+    rc=$?
+    t=$(step_time 240 "$deadline")
+    if [[ $rc -ne 0 ]]; then
+      row families "lowrank memcheck" INFO \
+        "skipped: it fails on a trivial run (--info, exit $rc): $(last_line "$OUT/lowrank-sanitizer-trivial.log")"
+    elif [[ $t -eq 0 ]]; then
+      row families "lowrank memcheck" INFO "skipped: the section ran out of time"
+    else
+      timeout "$t" "$cs" --tool memcheck --error-exitcode 99 --print-limit 20 \
+        "$bin" --check --quick --time-limit $((t - 10)) > "$OUT/lowrank-memcheck.log" 2>&1
+      rc=$?
+      local errors result
+      errors=$(grep -E 'ERROR SUMMARY' "$OUT/lowrank-memcheck.log" | tail -n 1 | sed 's/^[= ]*//')
+      result=$(grep -E '^RESULT: ' "$OUT/lowrank-memcheck.log" | tail -n 1)
+      r=PASS
+      if [[ $rc -eq 99 || ! "$errors" =~ ERROR\ SUMMARY:\ 0\ errors ]]; then r=FAIL; fi
+      detail="${errors:-no ERROR SUMMARY (exit $rc)}; --check --quick ${result:-exit $rc}"
+      # Out of time under the sanitizer's slowdown is not a memory error.
+      if [[ $rc -eq 124 || $rc -eq 3 ]] && [[ -z "$errors" || "$errors" =~ ERROR\ SUMMARY:\ 0\ errors ]]; then
+        r=INFO; detail="did not finish in $t s under the sanitizer; no memory error reported before"
+      fi
+      row families "lowrank memcheck --check --quick" "$r" "$detail (lowrank-memcheck.log)"
       fail_if "$r"
     fi
   fi
