@@ -88,35 +88,6 @@ constexpr uint8_t kPoisonByte = 0xA5;
 // ---------------------------------------------------------------------------------------
 // Small helpers
 
-class CudaStream {
- public:
-  CudaStream() { LGRECO_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking)); }
-  ~CudaStream() {
-    if (stream_) cudaStreamDestroy(stream_);
-  }
-  CudaStream(const CudaStream&) = delete;
-  CudaStream& operator=(const CudaStream&) = delete;
-  cudaStream_t get() const { return stream_; }
-  void sync() const { LGRECO_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
-
- private:
-  cudaStream_t stream_ = nullptr;
-};
-
-class CudaEvent {
- public:
-  CudaEvent() { LGRECO_CUDA_CHECK(cudaEventCreate(&event_)); }
-  ~CudaEvent() {
-    if (event_) cudaEventDestroy(event_);
-  }
-  CudaEvent(const CudaEvent&) = delete;
-  CudaEvent& operator=(const CudaEvent&) = delete;
-  cudaEvent_t get() const { return event_; }
-
- private:
-  cudaEvent_t event_ = nullptr;
-};
-
 template <class T>
 void upload(const DeviceBuffer& d, const std::vector<T>& h, const CudaStream& s) {
   const uint64_t bytes = h.size() * sizeof(T);

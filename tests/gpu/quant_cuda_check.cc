@@ -94,35 +94,6 @@ constexpr unsigned long long kCounterStart = 1000003;
 
 using namespace gpu_check;
 
-class CudaStream {
- public:
-  CudaStream() { LGRECO_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking)); }
-  ~CudaStream() {
-    if (stream_) cudaStreamDestroy(stream_);
-  }
-  CudaStream(const CudaStream&) = delete;
-  CudaStream& operator=(const CudaStream&) = delete;
-  cudaStream_t get() const { return stream_; }
-  void sync() const { LGRECO_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
-
- private:
-  cudaStream_t stream_ = nullptr;
-};
-
-class CudaEvent {
- public:
-  CudaEvent() { LGRECO_CUDA_CHECK(cudaEventCreate(&event_)); }
-  ~CudaEvent() {
-    if (event_) cudaEventDestroy(event_);
-  }
-  CudaEvent(const CudaEvent&) = delete;
-  CudaEvent& operator=(const CudaEvent&) = delete;
-  cudaEvent_t get() const { return event_; }
-
- private:
-  cudaEvent_t event_ = nullptr;
-};
-
 // An instantiated graph and the graph it came from.
 class CudaGraph {
  public:

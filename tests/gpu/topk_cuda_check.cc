@@ -78,36 +78,6 @@ constexpr double kTorchTopkMs = 2.2;
 // ---------------------------------------------------------------------------------------
 // CUDA helpers
 
-class CudaStream {
- public:
-  CudaStream() { LGRECO_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking)); }
-  ~CudaStream() {
-    if (stream_) cudaStreamDestroy(stream_);
-  }
-  CudaStream(const CudaStream&) = delete;
-  CudaStream& operator=(const CudaStream&) = delete;
-  cudaStream_t get() const { return stream_; }
-  tc::Stream lgreco() const { return reinterpret_cast<tc::Stream>(stream_); }
-  void sync() const { LGRECO_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
-
- private:
-  cudaStream_t stream_ = nullptr;
-};
-
-class CudaEvent {
- public:
-  CudaEvent() { LGRECO_CUDA_CHECK(cudaEventCreate(&event_)); }
-  ~CudaEvent() {
-    if (event_) cudaEventDestroy(event_);
-  }
-  CudaEvent(const CudaEvent&) = delete;
-  CudaEvent& operator=(const CudaEvent&) = delete;
-  cudaEvent_t get() const { return event_; }
-
- private:
-  cudaEvent_t event_ = nullptr;
-};
-
 void upload(const DeviceBuffer& d, const void* h, uint64_t bytes, const CudaStream& s) {
   if (bytes > d.size()) throw std::logic_error("upload of " + std::to_string(bytes) + " bytes into a smaller buffer");
   if (bytes > 0) LGRECO_CUDA_CHECK(cudaMemcpyAsync(d.get(), h, bytes, cudaMemcpyHostToDevice, s.get()));
@@ -474,7 +444,7 @@ bool compare_encoded(Report& r, const char* kind, const Case& c, const Encoded& 
 
 void check_encode(Report& r, const Case& c, const DeviceCase& d, const CudaStream& s, const Encoded& want) {
   prepare(c, d, s);
-  tc::encode(encode_batch(c, d), s.lgreco());
+  tc::encode(encode_batch(c, d), s.get());
   const Encoded got = download_encoded(c, d, s);
   if (compare_encoded(r, "encode", c, got, want))
     r.check(true, "encode", c.name,
@@ -494,7 +464,7 @@ void check_decode(Report& r, const Case& c, const Encoded& enc, const CudaStream
                    std::span<const uint8_t>(enc.payload.data() + job.byte_offset, topk::encoded_bytes(job.params, job.count)),
                    job.count, t, want.data() + job.element_offset * width);
     poison(out, s);
-    tc::decode(tc::DecodeBatch{c.jobs, payload.get(), out.get(), t, 0}, s.lgreco());
+    tc::decode(tc::DecodeBatch{c.jobs, payload.get(), out.get(), t, 0}, s.get());
     const std::string d = differences(download(out, want.size(), s), want, static_cast<uint32_t>(width),
                                       [&](uint64_t i) { return describe_element(c, i); });
     if (!d.empty()) {
@@ -514,7 +484,7 @@ void check_decode(Report& r, const Case& c, const Encoded& enc, const CudaStream
                             std::span<const uint8_t>(enc.payload.data() + job.byte_offset, topk::encoded_bytes(job.params, job.count)),
                             job.count, want.data() + job.element_offset);
   upload(out, acc.data(), acc.size() * 4, s);
-  tc::decode_accumulate(tc::DecodeBatch{c.jobs, payload.get(), out.get(), DType::kFloat32, 0}, s.lgreco());
+  tc::decode_accumulate(tc::DecodeBatch{c.jobs, payload.get(), out.get(), DType::kFloat32, 0}, s.get());
   std::vector<uint8_t> want_bytes(want.size() * 4);
   memcpy(want_bytes.data(), want.data(), want_bytes.size());
   const std::string d = differences(download(out, want_bytes.size(), s), want_bytes, 4,
@@ -563,12 +533,12 @@ void check_stats(Report& r, const Case& c, const std::vector<TopkParams>& candid
   b.weight = weight;
   b.scratch = scratch.get();
   b.scratch_bytes = scratch.size();
-  tc::squared_errors(b, s.lgreco());
+  tc::squared_errors(b, s.get());
   const std::vector<uint8_t> got_bytes = download(squared, initial.size() * 8, s);
   const std::vector<uint8_t> got_flags = download(flags, c.layers, s);
   // A second call on the same data must give the same bits (no atomics decide a sum).
   upload(squared, initial.data(), initial.size() * 8, s);
-  tc::squared_errors(b, s.lgreco());
+  tc::squared_errors(b, s.get());
   const std::vector<uint8_t> again = download(squared, initial.size() * 8, s);
   std::vector<double> got(initial.size());
   memcpy(got.data(), got_bytes.data(), got_bytes.size());
@@ -682,7 +652,7 @@ void check_graph(Report& r, bool quick, const CudaStream& s, Rng& rng) {
   cudaGraphExec_t exec = nullptr;
   LGRECO_CUDA_CHECK(cudaStreamBeginCapture(s.get(), cudaStreamCaptureModeGlobal));
   try {
-    tc::encode(encode_batch(c, d), s.lgreco());
+    tc::encode(encode_batch(c, d), s.get());
   } catch (...) {
     cudaStreamEndCapture(s.get(), &graph);
     if (graph) cudaGraphDestroy(graph);
@@ -731,19 +701,19 @@ void check_errors(Report& r, const CudaStream& s) {
   b.payload = payload.get();
   b.scratch = scratch.get();
   b.scratch_bytes = scratch.size() - 1;
-  expect("scratch too small", "is too small", [&] { tc::encode(b, s.lgreco()); });
+  expect("scratch too small", "is too small", [&] { tc::encode(b, s.get()); });
   b.scratch_bytes = scratch.size();
   b.payload = payload.get() + 2;
-  expect("misaligned payload", "4-byte aligned", [&] { tc::encode(b, s.lgreco()); });
+  expect("misaligned payload", "4-byte aligned", [&] { tc::encode(b, s.get()); });
   b.payload = payload.get();
   tc::Job huge = job;
   huge.count = uint64_t{1} << 32;
   b.jobs = std::span<const tc::Job>(&huge, 1);
-  expect("2^32 values", "at most 4294967295", [&] { tc::encode(b, s.lgreco()); });
+  expect("2^32 values", "at most 4294967295", [&] { tc::encode(b, s.get()); });
   tc::Job odd = job;
   odd.byte_offset = 6;
   b.jobs = std::span<const tc::Job>(&odd, 1);
-  expect("payload offset", "not a multiple of 4", [&] { tc::encode(b, s.lgreco()); });
+  expect("payload offset", "not a multiple of 4", [&] { tc::encode(b, s.get()); });
   s.sync();
 }
 
@@ -891,7 +861,7 @@ int run_bench(const Options& o, const cudaDeviceProp& prop, const CudaStream& s)
     b.scratch = scratch.get();
     b.scratch_bytes = scratch.size();
     add(strf("encode %s density %s%s", dtype_name(t), density_text(p.density_ppb).c_str(), ef ? " +EF" : ""),
-        time_calls(o, s, [&] { tc::encode(b, s.lgreco()); }), target);
+        time_calls(o, s, [&] { tc::encode(b, s.get()); }), target);
   };
   encode_row(p1, DType::kFloat32, false, kTargetMs);
   encode_row(p01, DType::kFloat32, false, 0.0);
@@ -905,10 +875,10 @@ int run_bench(const Options& o, const cudaDeviceProp& prop, const CudaStream& s)
     b.payload = payload.get();
     b.scratch = scratch.get();
     b.scratch_bytes = scratch.size();
-    tc::encode(b, s.lgreco());
+    tc::encode(b, s.get());
     const tc::DecodeBatch d{jobs, payload.get(), out.get(), DType::kFloat32, 0};
-    add("decode float32 density 0.01", time_calls(o, s, [&] { tc::decode(d, s.lgreco()); }), 0.0);
-    add("decode_accumulate density 0.01", time_calls(o, s, [&] { tc::decode_accumulate(d, s.lgreco()); }), 0.0);
+    add("decode float32 density 0.01", time_calls(o, s, [&] { tc::decode(d, s.get()); }), 0.0);
+    add("decode_accumulate density 0.01", time_calls(o, s, [&] { tc::decode_accumulate(d, s.get()); }), 0.0);
   }
   {
     std::vector<uint32_t> columns(candidates.size());
@@ -924,7 +894,7 @@ int run_bench(const Options& o, const cudaDeviceProp& prop, const CudaStream& s)
     b.nonfinite = flags.get();
     b.scratch = scratch.get();
     b.scratch_bytes = scratch.size();
-    add("squared_errors 7 densities +residual", time_calls(o, s, [&] { tc::squared_errors(b, s.lgreco()); }), 0.0);
+    add("squared_errors 7 densities +residual", time_calls(o, s, [&] { tc::squared_errors(b, s.get()); }), 0.0);
   }
   s.sync();
   printf("\n== lgreco-gpu-topk-check --bench: %s, %d SMs, %s values a call ==\n", prop.name, prop.multiProcessorCount,
