@@ -261,7 +261,7 @@ TSAN_SRCS := tests/unit/main.cc tests/unit/controller_test.cc tests/unit/inproc_
              $(wildcard controller/*.cc) $(wildcard plugin/collective/*.cc) $(wildcard plugin/transport/*.cc) \
              config/log.cc config/params.cc config/text_file.cc config/json_strict.cc config/registration.cc \
              config/bucket_matcher.cc config/version.cc \
-             kernels/codec_spec.cc kernels/codec.cc kernels/quant_ref.cc kernels/dtype.cc
+             kernels/codec_spec.cc kernels/codec.cc kernels/quant_ref.cc kernels/topk_ref.cc kernels/lowrank_ref.cc kernels/dtype.cc
 TSAN_OBJS := $(patsubst %,$(BUILD)/tsan/%.o,$(TSAN_SRCS))
 TSAN_BIN  := $(BUILD)/bin/lgreco-tsan-tests
 $(BUILD)/tsan/%.cc.o: %.cc
