@@ -822,6 +822,7 @@ BOOST_AUTO_TEST_CASE(topk_measured_errors_are_the_output_errors) {
       }
       auto hub = std::make_shared<InProcHub>(ranks, 10000ms);
       std::vector<std::vector<std::vector<float>>> outputs(ranks);
+      std::vector<std::vector<CallOutcome>> outcomes(ranks);
       std::optional<controller::ErrorStats> stats;
       auto input = [&](int r, uint64_t step) {
         std::mt19937_64 rng(seed ^ (uint64_t(r) << 40) ^ step);
@@ -843,13 +844,16 @@ BOOST_AUTO_TEST_CASE(topk_measured_errors_are_the_output_errors) {
           for (uint64_t step = 0; step < 4; ++step) {
             const std::vector<float> x = input(r, step);
             std::vector<float> y(x.size(), std::nanf(""));
-            const CallOutcome outcome = engine.allreduce({0, step, x.data(), y.data(), bucket.count, DType::kFloat32, op});
-            BOOST_TEST((outcome.kind == CallOutcome::Kind::kDone), outcome.message);
+            // Asserted after the join: Boost.Test's assertions are not thread-safe.
+            outcomes[r].push_back(engine.allreduce({0, step, x.data(), y.data(), bucket.count, DType::kFloat32, op}));
             outputs[r].push_back(std::move(y));
           }
           if (r == 0) stats = engine.last_window_stats();
         });
       for (auto& t : threads) t.join();
+      for (const auto& rank_outcomes : outcomes)
+        for (const CallOutcome& outcome : rank_outcomes)
+          BOOST_TEST((outcome.kind == CallOutcome::Kind::kDone), outcome.message);
       BOOST_TEST_REQUIRE(stats.has_value());
       for (int r = 1; r < ranks; ++r) BOOST_TEST((outputs[r] == outputs[0]));
       for (size_t l = 0; l < 2; ++l) {
