@@ -158,6 +158,30 @@ warp::StatsArgs stats_args(const StatsBatch& b, const StatsLaunch& launch, doubl
   return args;
 }
 
+StatsOutput stats_output(const StatsBatch& b, const StatsLaunch& launch, const char* what) {
+  StatsOutput out;
+  if (b.columns.empty()) {
+    out.row_stride = static_cast<uint32_t>(b.candidates.size());
+    for (size_t c = 0; c < launch.candidates.size(); ++c) out.columns[c] = launch.columns[c];
+    return out;
+  }
+  if (b.columns.size() != b.candidates.size())
+    throw CodecError(std::string(what) + ": " + std::to_string(b.columns.size()) + " output columns for " +
+                     std::to_string(b.candidates.size()) + " candidates");
+  for (size_t c = 0; c < b.columns.size(); ++c) {
+    if (b.columns[c] >= b.row_stride)
+      throw CodecError(std::string(what) + ": candidate " + std::to_string(c) + "'s output column " +
+                       std::to_string(b.columns[c]) + " is not below the row stride " + std::to_string(b.row_stride));
+    for (size_t d = 0; d < c; ++d)
+      if (b.columns[d] == b.columns[c])
+        throw CodecError(std::string(what) + ": candidates " + std::to_string(d) + " and " + std::to_string(c) +
+                         " share output column " + std::to_string(b.columns[c]));
+  }
+  out.row_stride = b.row_stride;
+  for (size_t c = 0; c < launch.candidates.size(); ++c) out.columns[c] = b.columns[launch.columns[c]];
+  return out;
+}
+
 uint64_t stats_scratch_bytes(const std::vector<StatsLaunch>& launches) {
   uint64_t bytes = 0;
   for (const StatsLaunch& launch : launches)

@@ -39,6 +39,15 @@ warp::DecodeArgs decode_args(const DecodeBatch& batch, const char* what);
 // `partial` is the batch's scratch, reused by every launch.
 warp::StatsArgs stats_args(const StatsBatch& batch, const StatsLaunch& launch, double* partial, const char* what);
 
+// Where a launch's candidates go in the output rows: the batch's columns (or the candidates'
+// own indices when it gives none) and its row stride. Throws CodecError when the columns
+// are not one distinct value below row_stride per candidate.
+struct StatsOutput {
+  uint32_t row_stride = 0;
+  uint32_t columns[warp::kMaxCandidates] = {};
+};
+StatsOutput stats_output(const StatsBatch& batch, const StatsLaunch& launch, const char* what);
+
 // Scratch the launches need: the largest (work items x candidates) double array of any table.
 uint64_t stats_scratch_bytes(const std::vector<StatsLaunch>& launches);
 

@@ -225,10 +225,11 @@ void squared_errors(const StatsBatch& batch, Stream stream) {
     ReduceArgs reduce{};
     reduce.partial = args.partial;
     reduce.candidate_count = args.candidate_count;
-    reduce.row_stride = static_cast<uint32_t>(batch.candidates.size());
+    const StatsOutput output = stats_output(batch, launch, what);
+    reduce.row_stride = output.row_stride;
     reduce.squared = batch.squared;
     reduce.weight = batch.weight;
-    for (size_t c = 0; c < launch.candidates.size(); ++c) reduce.columns[c] = launch.columns[c];
+    for (size_t c = 0; c < launch.candidates.size(); ++c) reduce.columns[c] = output.columns[c];
     for (const JobTable& t : launch.tables) {
       switch (batch.input_dtype) {
         case DType::kFloat32: launch_stats<DType::kFloat32>(t, args, stream); break;

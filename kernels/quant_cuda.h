@@ -117,6 +117,12 @@ struct StatsBatch {
   // agrees within the tolerance docs/KERNELS.md states (it multiplies by a reciprocal
   // where the CPU divides, and sums in another order), and is deterministic.
   double* squared = nullptr;
+  // Where each candidate's value goes, for a caller that measures several codec families
+  // into one table (the engine's CUDA backend): when `columns` is not empty, candidate c
+  // is added to squared[layer * row_stride + columns[c]] instead; one distinct column per
+  // candidate, each below row_stride.
+  std::span<const uint32_t> columns;
+  uint32_t row_stride = 0;
   // Device, one byte per layer index: set to 1 where the layer's values were not finite
   // (its squared errors are then +inf); never cleared here.
   uint8_t* nonfinite = nullptr;

@@ -138,6 +138,7 @@ void emulate_stats(const StatsBatch& batch) {
   const uint64_t scratch_doubles = quant::cuda::stats_scratch_bytes(launches) / sizeof(double);
   for (const quant::cuda::StatsLaunch& launch : launches) {
     warp::StatsArgs args = quant::cuda::stats_args(batch, launch, nullptr, "quant cuda squared_errors");
+    const quant::cuda::StatsOutput output = quant::cuda::stats_output(batch, launch, "quant cuda squared_errors");
     for (const warp::JobTable& t : launch.tables) {
       const uint64_t used = uint64_t{t.total_work} * args.candidate_count;
       BOOST_TEST_REQUIRE(used <= scratch_doubles);  // stats_scratch_bytes covers every table
@@ -155,7 +156,7 @@ void emulate_stats(const StatsBatch& batch) {
           double sum = 0.0;
           for (uint64_t i = 0; i < warp::bucket_count_of(job); ++i)
             sum += partial[(job.work_begin + i) * args.candidate_count + c];
-          batch.squared[uint64_t{job.layer} * batch.candidates.size() + launch.columns[c]] += batch.weight * sum;
+          batch.squared[uint64_t{job.layer} * output.row_stride + output.columns[c]] += batch.weight * sum;
         }
       }
     }
@@ -1045,6 +1046,56 @@ BOOST_AUTO_TEST_CASE(stats_match_measure_candidates) {
         }
   }
   report("statistics", worst);
+}
+
+// The engine's CUDA backend measures quantization candidates into a table whose rows also
+// hold other families' columns: each candidate's sum lands in its given column, the same
+// bits as without the mapping, and the other columns stay as they were.
+BOOST_AUTO_TEST_CASE(stats_write_into_the_callers_columns) {
+  std::mt19937_64 rng(test::run_seed());
+  const std::vector<CodecSpec> cand = specs({"quant:bits=3", "none", "quant:bits=6,bucket=64,rounding=nearest"});
+  const Batch b = stats_batch(cand, 6, 5000, 3, rng);
+  const Data data = make_data(b, DType::kFloat32, true, 0.0, rng);
+  StatsBatch batch;
+  batch.jobs = b.jobs;
+  batch.candidates = cand;
+  batch.input = data.input.data();
+  batch.residual = data.residual.data();
+  batch.weight = 0.5;
+  std::vector<uint8_t> nonfinite(b.layers, 0);
+  batch.nonfinite = nonfinite.data();
+  const uint32_t stride = 7;
+  const std::vector<uint32_t> columns = {5, 0, 3};
+  std::vector<double> mapped(b.layers * stride);
+  for (double& v : mapped) v = std::uniform_real_distribution<double>(1.0, 2.0)(rng);  // added to, not replaced
+  const std::vector<double> before = mapped;
+  // The same additions in the same order onto the same starting values, column by column.
+  std::vector<double> plain(b.layers * cand.size());
+  for (uint32_t l = 0; l < b.layers; ++l)
+    for (size_t c = 0; c < cand.size(); ++c) plain[l * cand.size() + c] = before[l * stride + columns[c]];
+  batch.squared = plain.data();
+  emulate_stats(batch);
+  batch.columns = columns;
+  batch.row_stride = stride;
+  batch.squared = mapped.data();
+  emulate_stats(batch);
+  for (uint32_t l = 0; l < b.layers; ++l)
+    for (uint32_t col = 0; col < stride; ++col) {
+      const auto it = std::find(columns.begin(), columns.end(), col);
+      const double want = it == columns.end() ? before[l * stride + col] : plain[l * cand.size() + (it - columns.begin())];
+      BOOST_TEST_INFO_SCOPE("layer " << l << " column " << col);
+      BOOST_TEST(mapped[l * stride + col] == want);
+    }
+
+  const auto launches = quant::cuda::stats_launches(b.jobs, cand, "test");
+  const auto output = [&] { return quant::cuda::stats_output(batch, launches.front(), "quant cuda squared_errors"); };
+  const std::vector<uint32_t> too_few = {1, 2}, too_wide = {1, 7, 2}, shared = {4, 2, 4};
+  batch.columns = too_few;
+  BOOST_TEST(throws_naming(output, "2 output columns for 3 candidates"));
+  batch.columns = too_wide;
+  BOOST_TEST(throws_naming(output, "candidate 1's output column 7 is not below the row stride 7"));
+  batch.columns = shared;
+  BOOST_TEST(throws_naming(output, "candidates 0 and 2 share output column 4"));
 }
 
 BOOST_AUTO_TEST_CASE(stats_non_finite_inputs) {
