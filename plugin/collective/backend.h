@@ -138,6 +138,9 @@ class Backend {
   virtual void prepare_measure(const Plan& plan, std::span<const CodecSpec> candidates) {
     (void)plan, (void)candidates;
   }
+  // Likewise for encode() on any segments of `plan` (CUDA: the TopK selection's scratch).
+  // Throws std::bad_alloc, or CodecError for a segment the backend's kernels cannot take.
+  virtual void prepare_encode(const Plan& plan) { (void)plan; }
 
   // Low-rank (PowerSGD) layers, exchanged apart (docs/ENGINE.md): per step, with M the
   // layer's input + residual as a rows x cols row-major matrix (no residual where the
@@ -192,6 +195,17 @@ class Backend {
                                const NoiseBase& key, const Measure& m) {
     (void)layers, (void)input, (void)residual, (void)key, (void)m;
     throw std::logic_error(name() + " backend: no low-rank operations");
+  }
+  // Makes sure that the low-rank operations on `layers` and measure_lowrank on `measured`
+  // with ranks up to max_measured_rank (0: nothing measured), for an input of `dtype` with
+  // or without a residual, allocate nothing and find everything they need (CUDA: the
+  // cuBLAS context, its workspace and the scratch), called where a failure still makes
+  // every rank pass through. Throws std::bad_alloc, CodecError for a layer the backend's
+  // kernels cannot take, or std::runtime_error when the backend cannot run them at all
+  // (no cuBLAS).
+  virtual void prepare_lowrank(std::span<const LowRankLayer> layers, std::span<const LowRankLayer> measured,
+                               uint32_t max_measured_rank, DType dtype, bool residual) {
+    (void)layers, (void)measured, (void)max_measured_rank, (void)dtype, (void)residual;
   }
 
   // Timing without waiting, for the time objective and the counters: mark() enqueues a

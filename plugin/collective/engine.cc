@@ -378,6 +378,13 @@ uint8_t* Engine::scratch(int which, uint64_t bytes) {
   return static_cast<uint8_t*>(buffer->data());
 }
 
+uint32_t Engine::max_lowrank_candidate_rank() const {
+  uint32_t rank = 0;
+  for (const CodecSpec& c : measured_candidates_)
+    if (c.family() == CodecFamily::kPowersgd) rank = std::max(rank, c.powersgd_params().rank);
+  return rank;
+}
+
 std::string Engine::unsupported_codec() const {
   for (size_t b = 0; b < buckets_.size(); ++b)
     for (const LayerLayout& l : buckets_[b].layers)
@@ -531,6 +538,14 @@ void Engine::switch_to(std::shared_ptr<const controller::Assignment> assignment)
       backend_.prepare_measure(s.plan, measured_candidates_);
       backend_.prepare_measure(s.whole, measured_candidates_);
     }
+    // And what the exchange's kernels need (a GPU's TopK selection scratch, cuBLAS).
+    backend_.prepare_encode(s.plan);
+    if (!s.gathered.segments.empty()) backend_.prepare_encode(s.gathered);
+    const std::span<const Backend::LowRankLayer> measured_lowrank =
+        controller_ ? std::span<const Backend::LowRankLayer>(s.lowrank_measured) : std::span<const Backend::LowRankLayer>();
+    if (!s.lowrank.empty() || !measured_lowrank.empty())
+      backend_.prepare_lowrank(s.lowrank, measured_lowrank, max_lowrank_candidate_rank(), layout.dtype,
+                               options_.error_feedback);
   }
   // One sample buffer per bucket to start with; a window that needs more (the queue lags
   // many calls behind) allocates them, and measures less if it cannot (begin_sample).
@@ -664,6 +679,8 @@ CallOutcome Engine::first_call(const EngineCall& call) {
       switch_to(controller_ ? controller_->assignment_for_step(call.step) : nullptr);
     } catch (const std::bad_alloc&) {
       problem = "cannot allocate the residual and staging buffers";
+    } catch (const std::exception& e) {
+      problem = std::string("cannot prepare the ") + backend_.name() + " backend: " + e.what();
     }
   }
   const std::string why = agree(assignment_digest(assignment_.get()), problem.empty(), problem);
@@ -700,6 +717,9 @@ CallOutcome Engine::run(const EngineCall& call) {
         if (next != assignment_) switch_to(next);
       } catch (const std::bad_alloc&) {
         problem = "cannot allocate the staging buffers of epoch " + std::to_string(next->epoch);
+      } catch (const std::exception& e) {
+        problem = "cannot prepare the " + backend_.name() + " backend for epoch " + std::to_string(next->epoch) +
+                  ": " + e.what();
       }
       const std::string why = agree(assignment_digest(next.get()), problem.empty(), problem);
       if (!why.empty()) return stop_compressing("from step " + std::to_string(call.step) + ": " + why, true);

@@ -182,6 +182,7 @@ class Engine {
   bool lowrank_candidates_any() const {
     return std::find(lowrank_candidates_.begin(), lowrank_candidates_.end(), 1) != lowrank_candidates_.end();
   }
+  uint32_t max_lowrank_candidate_rank() const;  // of the measured candidates; 0: none
   std::string unsupported_codec() const;  // "" or the first codec the backend cannot run
   bool gathered_candidates_any() const {
     return std::find(gather_candidates_.begin(), gather_candidates_.end(), 1) != gather_candidates_.end();

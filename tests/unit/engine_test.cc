@@ -169,6 +169,8 @@ struct Job {
   std::function<bool(int rank, uint64_t step)> stops = [](int, uint64_t) { return false; };
   bool in_place = false;
   bool snapshot_residuals = false;
+  // Each rank's backend; null: a CpuBackend.
+  std::function<std::unique_ptr<Backend>(int rank)> backend;
 };
 
 std::vector<RankResult> run_job(const Job& job) {
@@ -178,8 +180,8 @@ std::vector<RankResult> run_job(const Job& job) {
   for (int r = 0; r < job.ranks; ++r)
     threads.emplace_back([&, r] {
       InProcFabric fabric(hub, r);
-      CpuBackend backend;
-      Engine engine(job.options(r), job.buckets, fabric, backend);
+      const std::unique_ptr<Backend> backend = job.backend ? job.backend(r) : std::make_unique<CpuBackend>();
+      Engine engine(job.options(r), job.buckets, fabric, *backend);
       RankResult& mine = results[r];
       for (uint64_t step = 0; step < job.steps; ++step) {
         if (job.stops(r, step)) break;
@@ -500,18 +502,11 @@ BOOST_AUTO_TEST_CASE(a_rank_that_stops_gives_errors_not_a_hang) {
   }
 }
 
-// A backend that fails, as a CUDA error would, in the middle of a call: after the
-// all-to-all, while the peers wait for this rank's re-encoded partition.
-class FailingBackend final : public Backend {
+// The CPU backend behind another class's overrides (the test backends below).
+class ForwardingBackend : public Backend {
  public:
-  explicit FailingBackend(uint64_t fail_at_step) : fail_at_step_(fail_at_step) {}
-  uint64_t step = 0;
-  bool lacks_topk = false;  // as a backend without TopK kernels
-  std::string name() const override { return "failing"; }
-  std::string unsupported(const CodecSpec& spec) const override {
-    if (lacks_topk && spec.family() == CodecFamily::kTopk) return "this backend has no TopK kernels";
-    return Backend::unsupported(spec);  // no low-rank operations here
-  }
+  std::string name() const override { return cpu_.name(); }
+  std::string unsupported(const CodecSpec& spec) const override { return cpu_.unsupported(spec); }
   std::unique_ptr<Buffer> allocate(uint64_t bytes) override { return cpu_.allocate(bytes); }
   std::unique_ptr<Buffer> allocate_host(uint64_t bytes) override { return cpu_.allocate_host(bytes); }
   void fill_zero(void* d, uint64_t n) override { cpu_.fill_zero(d, n); }
@@ -530,7 +525,6 @@ class FailingBackend final : public Backend {
   }
   void decode_accumulate(const Plan& p, std::span<const Segment> g, const uint8_t* in, uint64_t base,
                          ElementSpan acc) override {
-    if (step == fail_at_step_) throw std::runtime_error("CUDA error: an illegal memory access was encountered");
     cpu_.decode_accumulate(p, g, in, base, acc);
   }
   void accumulate_exact(const Plan& p, std::span<const Segment> g, ElementSpan in, float* r, uint64_t rf,
@@ -543,14 +537,55 @@ class FailingBackend final : public Backend {
                const Measure& m) override {
     cpu_.measure(p, g, in, r, rf, m);
   }
+  void lowrank_project(std::span<const LowRankLayer> l, ElementSpan in, const float* r, const uint8_t* f,
+                       const float* q, float* p) override {
+    cpu_.lowrank_project(l, in, r, f, q, p);
+  }
+  void lowrank_orthonormalize(std::span<const LowRankLayer> l, float* p) override { cpu_.lowrank_orthonormalize(l, p); }
+  void lowrank_back_project(std::span<const LowRankLayer> l, ElementSpan in, float* r, const uint8_t* f,
+                            const float* p, float* q) override {
+    cpu_.lowrank_back_project(l, in, r, f, p, q);
+  }
+  void lowrank_reconstruct(std::span<const LowRankLayer> l, const float* p, const float* q, float scale,
+                           ElementSpan out) override {
+    cpu_.lowrank_reconstruct(l, p, q, scale, out);
+  }
+  void lowrank_keep(std::span<const LowRankLayer> l, const float* q_new, const float* q0, float* q) override {
+    cpu_.lowrank_keep(l, q_new, q0, q);
+  }
+  void measure_lowrank(std::span<const LowRankLayer> l, ElementSpan in, const float* r, const NoiseBase& key,
+                       const Measure& m) override {
+    cpu_.measure_lowrank(l, in, r, key, m);
+  }
   uint64_t mark() override { return cpu_.mark(); }
   bool mark_ready(uint64_t m) override { return cpu_.mark_ready(m); }
   void wait_mark(uint64_t m) override { cpu_.wait_mark(m); }
   double seconds_between(uint64_t a, uint64_t b) override { return cpu_.seconds_between(a, b); }
   void release_mark(uint64_t m) override { cpu_.release_mark(m); }
 
- private:
+ protected:
   CpuBackend cpu_;
+};
+
+// A backend that fails, as a CUDA error would, in the middle of a call: after the
+// all-to-all, while the peers wait for this rank's re-encoded partition.
+class FailingBackend final : public ForwardingBackend {
+ public:
+  explicit FailingBackend(uint64_t fail_at_step) : fail_at_step_(fail_at_step) {}
+  uint64_t step = 0;
+  bool lacks_topk = false;  // as a backend without TopK kernels
+  std::string name() const override { return "failing"; }
+  std::string unsupported(const CodecSpec& spec) const override {
+    if (lacks_topk && spec.family() == CodecFamily::kTopk) return "this backend has no TopK kernels";
+    return Backend::unsupported(spec);  // no low-rank operations here
+  }
+  void decode_accumulate(const Plan& p, std::span<const Segment> g, const uint8_t* in, uint64_t base,
+                         ElementSpan acc) override {
+    if (step == fail_at_step_) throw std::runtime_error("CUDA error: an illegal memory access was encountered");
+    cpu_.decode_accumulate(p, g, in, base, acc);
+  }
+
+ private:
   uint64_t fail_at_step_;
 };
 
@@ -1190,6 +1225,172 @@ BOOST_AUTO_TEST_CASE(a_family_the_backend_lacks_passes_through_on_every_rank) {
     BOOST_TEST((outcomes[r].kind == CallOutcome::Kind::kPassThrough), outcomes[r].message);
     BOOST_TEST(test::contains(outcomes[r].message, "a local failure"), outcomes[r].message);
   }
+}
+
+// A GPU backend must not allocate in the middle of a call (one rank's failure there breaks
+// every rank's call): the engine prepares it, where all ranks still agree, for every plan
+// it will encode or measure and every low-rank layer. This backend checks that each
+// operation finds its plan or layers prepared as they are, and can fail a preparation.
+class StrictBackend final : public ForwardingBackend {
+ public:
+  struct Seen {
+    std::vector<std::string> problems;
+    int topk_encodes = 0, lowrank_projects = 0, lowrank_measures = 0;
+  };
+  explicit StrictBackend(Seen& seen) : seen_(seen), problems_(seen.problems) {}
+  bool fail_prepare_lowrank = false;
+  std::string name() const override { return "strict"; }
+
+  void prepare_measure(const Plan& plan, std::span<const CodecSpec> candidates) override {
+    measure_plans_.push_back({&plan, plan.total_bytes, plan.segments.size()});
+    prepared_candidates_.assign(candidates.begin(), candidates.end());
+  }
+  void prepare_encode(const Plan& plan) override {
+    encode_plans_.push_back({&plan, plan.total_bytes, plan.segments.size()});
+  }
+  void prepare_lowrank(std::span<const LowRankLayer> layers, std::span<const LowRankLayer> measured,
+                       uint32_t max_measured_rank, DType dtype, bool residual) override {
+    if (fail_prepare_lowrank) throw std::runtime_error("lgreco: PowerSGD needs cuBLAS: libcublas.so.13: not found");
+    lowrank_.assign(layers.begin(), layers.end());
+    measured_.assign(measured.begin(), measured.end());
+    max_measured_rank_ = max_measured_rank;
+    dtype_ = dtype;
+    residual_ = residual;
+  }
+
+  void encode(const Plan& p, std::span<const Segment> g, ElementSpan in, float* r, uint64_t rf, const uint8_t* f,
+              const NoiseBase& nb, uint8_t* out, uint64_t base) override {
+    const bool topk = std::any_of(g.begin(), g.end(), [&](const Segment& s) {
+      return s.count && p.codecs[s.codec].family() == CodecFamily::kTopk;
+    });
+    if (topk && !prepared(encode_plans_, p)) problems_.push_back("encode of TopK segments of a plan not prepared");
+    seen_.topk_encodes += topk;
+    ForwardingBackend::encode(p, g, in, r, rf, f, nb, out, base);
+  }
+  void measure(const Plan& p, std::span<const Segment> g, ElementSpan in, const float* r, uint64_t rf,
+               const Measure& m) override {
+    if (!prepared(measure_plans_, p)) problems_.push_back("measure on a plan not prepared");
+    if (!std::equal(m.candidates.begin(), m.candidates.end(), prepared_candidates_.begin(),
+                    prepared_candidates_.end()))
+      problems_.push_back("measure of candidates not prepared");
+    ForwardingBackend::measure(p, g, in, r, rf, m);
+  }
+  void lowrank_project(std::span<const LowRankLayer> l, ElementSpan in, const float* r, const uint8_t* f,
+                       const float* q, float* p) override {
+    for (const LowRankLayer& x : l)
+      if (!has_layer(lowrank_, x, true)) problems_.push_back("a low-rank layer not prepared");
+    if (in.dtype != dtype_ || (r != nullptr) != residual_) problems_.push_back("low rank: another dtype or residual");
+    ++seen_.lowrank_projects;
+    ForwardingBackend::lowrank_project(l, in, r, f, q, p);
+  }
+  void measure_lowrank(std::span<const LowRankLayer> l, ElementSpan in, const float* r, const NoiseBase& key,
+                       const Measure& m) override {
+    for (const LowRankLayer& x : l)
+      if (m.measured[x.layer] && !has_layer(measured_, x, false)) problems_.push_back("a measured layer not prepared");
+    for (size_t k = 0; k < m.candidates.size(); ++k)
+      if (m.candidates[k].family() == CodecFamily::kPowersgd && m.candidates[k].powersgd_params().rank > max_measured_rank_)
+        problems_.push_back("a rank above the prepared one measured");
+    ++seen_.lowrank_measures;
+    ForwardingBackend::measure_lowrank(l, in, r, key, m);
+  }
+
+ private:
+  struct PlanSeen {
+    const Plan* plan;
+    uint64_t bytes;
+    size_t segments;
+  };
+  static bool prepared(const std::vector<PlanSeen>& seen, const Plan& p) {
+    return std::any_of(seen.begin(), seen.end(), [&](const PlanSeen& x) {
+      return x.plan == &p && x.bytes == p.total_bytes && x.segments == p.segments.size();
+    });
+  }
+  static bool has_layer(const std::vector<LowRankLayer>& list, const LowRankLayer& x, bool same_rank) {
+    return std::any_of(list.begin(), list.end(), [&](const LowRankLayer& y) {
+      return y.layer == x.layer && y.rows == x.rows && y.cols == x.cols && (!same_rank || y.rank == x.rank);
+    });
+  }
+  Seen& seen_;
+  std::vector<std::string>& problems_;
+  std::vector<PlanSeen> measure_plans_, encode_plans_;
+  std::vector<CodecSpec> prepared_candidates_;
+  std::vector<LowRankLayer> lowrank_, measured_;
+  uint32_t max_measured_rank_ = 0;
+  DType dtype_ = DType::kFloat32;
+  bool residual_ = false;
+};
+
+Job three_family_job(int ranks, Algorithm algorithm, uint64_t seed) {
+  std::vector<CodecSpec> candidates = {topk("0.01"), topk("0.05")};
+  for (int bits = 2; bits <= 8; ++bits) candidates.push_back(quant(bits));
+  for (int rank : {1, 2, 4}) candidates.push_back(CodecSpec::parse("powersgd:rank=" + std::to_string(rank)));
+  BucketLayout bucket =
+      matrix_layout({{64, 48}, {100, 30}, {1, 5000}}, {quant(4), quant(4), quant(4)}, DType::kFloat32);
+  for (LayerLayout& l : bucket.layers) {
+    l.candidates = candidates;
+    l.default_index = 4;
+  }
+  bucket.layers[0].default_index = 10;  // powersgd:rank=2 until the first solve
+  bucket.layers[1].default_index = 0;   // topk 1%
+  bucket.layers[2].rows = 0;            // a vector: no low rank there
+  bucket.layers[2].candidates.resize(9);
+  Job job;
+  job.ranks = ranks;
+  job.buckets = {bucket};
+  job.options = [=](int) {
+    EngineOptions o;
+    o.codec = quant(4);
+    o.candidates = candidates;
+    o.algorithm = algorithm;
+    o.parameters_text = "three families";
+    o.controller.schedule = {2, 4, 2, 1};
+    return o;
+  };
+  job.input = random_inputs(job.buckets, seed);
+  job.steps = 12;
+  return job;
+}
+
+BOOST_AUTO_TEST_CASE(the_backend_is_prepared_for_every_plan_and_low_rank_layer) {
+  const uint64_t seed = test::run_seed();
+  for (Algorithm algorithm : {Algorithm::kScatterReduceAllGather, Algorithm::kAllGather}) {
+    BOOST_TEST_CONTEXT("algorithm " << static_cast<int>(algorithm) << " seed " << seed) {
+      Job job = three_family_job(3, algorithm, seed);
+      std::vector<StrictBackend::Seen> seen(job.ranks);
+      job.backend = [&](int r) { return std::make_unique<StrictBackend>(seen[r]); };
+      const auto results = run_job(job);
+      for (int r = 0; r < job.ranks; ++r) {
+        for (const CallOutcome& o : results[r].outcomes)
+          BOOST_TEST((o.kind == CallOutcome::Kind::kDone), o.message);
+        const std::vector<std::string>& problems = seen[r].problems;
+        BOOST_TEST(problems.empty(), "rank " << r << ": " << (problems.empty() ? "" : problems.front()));
+        BOOST_TEST(seen[r].topk_encodes > 0);
+        BOOST_TEST(seen[r].lowrank_projects > 0);
+        BOOST_TEST(seen[r].lowrank_measures > 0);
+        BOOST_TEST(results[r].outputs == results[0].outputs);
+      }
+      BOOST_TEST(results[0].epoch >= 2u);
+    }
+  }
+}
+
+// A backend that cannot prepare on one rank (a GPU without cuBLAS, say): every rank passes
+// through at the first call, before anything is sent, instead of failing in the middle.
+BOOST_AUTO_TEST_CASE(a_backend_that_cannot_prepare_passes_through_on_every_rank) {
+  Job job = three_family_job(3, Algorithm::kAuto, test::run_seed());
+  job.steps = 2;
+  std::vector<StrictBackend::Seen> seen(job.ranks);
+  job.backend = [&](int r) {
+    auto b = std::make_unique<StrictBackend>(seen[r]);
+    b->fail_prepare_lowrank = r == 2;
+    return b;
+  };
+  const auto results = run_job(job);
+  for (int r = 0; r < job.ranks; ++r)
+    for (const CallOutcome& o : results[r].outcomes) {
+      BOOST_TEST((o.kind == CallOutcome::Kind::kPassThrough), o.message);
+      BOOST_TEST(test::contains(o.message, "a local failure (that rank's WARN says which) on rank(s) 2"), o.message);
+    }
 }
 
 BOOST_AUTO_TEST_SUITE_END()
