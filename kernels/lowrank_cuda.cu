@@ -567,6 +567,7 @@ void launch_tiles(const Table& t, const TileArgs& args, cudaStream_t stream) {
 }  // namespace
 
 bool available() { return true; }
+std::string cublas_problem() { return cublas_api().error; }
 
 Handle Handle::create(void* workspace, uint64_t workspace_bytes) {
   const char* what = "powersgd cuda Handle::create";

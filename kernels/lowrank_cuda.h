@@ -30,6 +30,7 @@
 
 #include <cstdint>
 #include <span>
+#include <string>
 
 #include "kernels/codec_spec.h"
 #include "kernels/dtype.h"
@@ -43,6 +44,10 @@ using quant::cuda::Stream;
 // True when this build carries the kernels (nvcc was found at build time). cuBLAS itself
 // is only looked for by Handle::create.
 bool available();
+// "" when cuBLAS can be loaded (the first call tries, once per process), else why not: the
+// dlopen error, or a missing symbol. Lets a caller refuse PowerSGD up front rather than
+// fail at Handle::create.
+std::string cublas_problem();
 
 // One low-rank layer, as collective::Backend::LowRankLayer (kernels/ does not depend on
 // plugin/): rows, cols and rank >= 1, rank <= 256, rows and cols below 2^31 (cuBLAS takes

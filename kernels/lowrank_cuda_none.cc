@@ -16,6 +16,7 @@ namespace {
 }  // namespace
 
 bool available() { return false; }
+std::string cublas_problem() { return "this build of lgreco has no CUDA kernels (nvcc was not found)"; }
 
 Handle Handle::create(void* workspace, uint64_t workspace_bytes) {
   plan::check_workspace(workspace, workspace_bytes, "powersgd cuda Handle::create");

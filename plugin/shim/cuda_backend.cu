@@ -1,6 +1,8 @@
 // The engine's CUDA backend (cuda_backend.h): quant segments go to the batched kernels of
-// kernels/quant_cuda.h; `none` segments, the NaN scan, the owner's exact sum, the
-// division and the narrowing are the small element-wise kernels below. Everything is
+// kernels/quant_cuda.h, TopK segments to kernels/topk_cuda.h, PowerSGD layers (the
+// lowrank_* operations) to kernels/lowrank_cuda.h (cuBLAS); `none` segments, the NaN
+// scan, the owner's exact sum, the division and the narrowing are the small element-wise
+// kernels below. Everything is
 // enqueued on the current stream; nothing waits for the device except Event::wait,
 // wait_mark, pinned host memory's cudaFreeHost and, on a device without memory pools,
 // cudaMalloc/cudaFree (cuda_backend.h says how streams are ordered and memory freed).
@@ -13,7 +15,9 @@
 // residual, the owner's sums, decode-accumulate of `none`, the division), both sides
 // store a NaN result as quant::kDecodedNaNBits (quant::canonical_nan), since x86 would
 // pass an operand's NaN bits through and a GPU writes its own canonical NaN
-// (docs/FORMAT.md; docs/KERNELS.md, "The engine's CUDA backend").
+// (docs/FORMAT.md; docs/KERNELS.md, "The engine's CUDA backend"). The TopK kernels are
+// byte-identical to the CPU too; PowerSGD's cuBLAS products agree within the tolerance
+// of docs/KERNELS.md ("PowerSGD on the GPU").
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -31,8 +35,11 @@
 #include "kernels/codec_spec.h"
 #include "kernels/cuda_launch.h"
 #include "kernels/dtype.h"
+#include "kernels/lowrank_cuda.h"
 #include "kernels/quant_batch.h"
 #include "kernels/quant_math.h"
+#include "kernels/topk_cuda.h"
+#include "kernels/topk_cuda_plan.h"
 #include "plugin/shim/cuda_backend.h"
 
 namespace lgreco::shim {
@@ -43,6 +50,8 @@ using collective::NoiseBase;
 using collective::Plan;
 using collective::Segment;
 namespace qc = quant::cuda;
+namespace tk = topk::cuda;
+namespace lc = lowrank::cuda;
 
 namespace {
 
@@ -420,7 +429,34 @@ void require_after(const Segment& s, uint64_t first, const char* op, const char*
                      std::to_string(first));
 }
 
-bool is_quant(const Plan& plan, const Segment& s) { return plan.codecs.at(s.codec).family() == CodecFamily::kQuant; }
+CodecFamily family_of(const Plan& plan, const Segment& s) { return plan.codecs.at(s.codec).family(); }
+
+// A segment whose codec is exchanged by other operations than encode/decode (PowerSGD's
+// layers go through the lowrank_* operations): the engine's mistake, never the data's.
+[[noreturn]] void not_a_segment_codec(const Plan& plan, const Segment& s, const char* op) {
+  throw std::logic_error(std::string("lgreco: cuda backend ") + op + ": layer " + std::to_string(s.layer) + "'s codec " +
+                         plan.codecs.at(s.codec).str() + " is not encoded by segments (the low-rank operations run it)");
+}
+
+tk::Job topk_job(const Plan& plan, const Segment& s, uint64_t byte_offset_base) {
+  tk::Job job;
+  job.element_offset = s.offset;
+  job.count = s.count;
+  job.byte_offset = byte_offset_base + s.byte_offset;
+  job.layer = s.layer;
+  job.params = plan.codecs[s.codec].topk_params();
+  return job;
+}
+
+// A job of the TopK statistics: any segment (its own codec does not matter; the
+// candidates' densities are the batch's).
+tk::Job topk_stats_job(const Segment& s) {
+  tk::Job job;
+  job.element_offset = s.offset;
+  job.count = s.count;
+  job.layer = s.layer;
+  return job;
+}
 
 qc::Job quant_job(const Plan& plan, const Segment& s, uint64_t byte_offset_base) {
   qc::Job job;
@@ -553,6 +589,9 @@ CudaBackend::~CudaBackend() {
   DeviceGuard guard(device_, DeviceGuard::kQuiet);
   for (cudaEvent_t e : marks_) cudaEventDestroy(e);
   if (scratch_) shared_->free_device(scratch_, scratch_bytes_);
+  // The context goes before its workspace (cublasDestroy waits for the device's work).
+  cublas_.reset();
+  if (cublas_workspace_) shared_->free_device(cublas_workspace_, lc::kWorkspaceBytes);
 }
 
 bool CudaBackend::stream_ordered() const { return shared_->pools; }
@@ -716,20 +755,30 @@ void CudaBackend::find_nonfinite(const Plan&, std::span<const Segment> segments,
   enqueued("find_nonfinite");
 }
 
-void CudaBackend::encode(const Plan& plan, std::span<const Segment> segments, ElementSpan input, float* residual_data,
-                         uint64_t residual_first, const uint8_t* flags, const NoiseBase& noise, uint8_t* out,
-                         uint64_t byte_offset_base) {
+void CudaBackend::sort_segments(const Plan& plan, std::span<const Segment> segments, uint64_t byte_offset_base,
+                                const char* op) {
   quant_jobs_.clear();
+  topk_jobs_.clear();
   none_segments_.clear();
   for (const Segment& s : segments) {
     if (s.count == 0) continue;
+    switch (family_of(plan, s)) {
+      case CodecFamily::kNone: none_segments_.push_back(s); break;
+      case CodecFamily::kQuant: quant_jobs_.push_back(quant_job(plan, s, byte_offset_base)); break;
+      case CodecFamily::kTopk: topk_jobs_.push_back(topk_job(plan, s, byte_offset_base)); break;
+      default: not_a_segment_codec(plan, s, op);
+    }
+  }
+}
+
+void CudaBackend::encode(const Plan& plan, std::span<const Segment> segments, ElementSpan input, float* residual_data,
+                         uint64_t residual_first, const uint8_t* flags, const NoiseBase& noise, uint8_t* out,
+                         uint64_t byte_offset_base) {
+  for (const Segment& s : segments) {
     require_after(s, input.first, "encode", "input");
     if (residual_data) require_after(s, residual_first, "encode", "residual");
-    if (is_quant(plan, s))
-      quant_jobs_.push_back(quant_job(plan, s, byte_offset_base));
-    else
-      none_segments_.push_back(s);
   }
+  sort_segments(plan, segments, byte_offset_base, "encode");
   DeviceGuard guard(device_);
   if (!quant_jobs_.empty()) {
     qc::EncodeBatch batch;
@@ -744,6 +793,20 @@ void CudaBackend::encode(const Plan& plan, std::span<const Segment> segments, El
     batch.noise = NoiseKey{noise.seed, noise.rank, noise.step, noise.layer_base};
     qc::encode(batch, stream_);
   }
+  if (!topk_jobs_.empty()) {
+    tk::EncodeBatch batch;
+    batch.jobs = topk_jobs_;
+    batch.input = input.data;
+    batch.input_dtype = input.dtype;
+    batch.input_first = input.first;
+    batch.residual = residual_data;
+    batch.residual_first = residual_first;
+    batch.skip_residual = flags;
+    batch.payload = out;
+    batch.scratch_bytes = tk::encode_scratch_bytes(topk_jobs_);
+    batch.scratch = scratch_for(batch.scratch_bytes, "encode (TopK selection)");
+    tk::encode(batch, stream_);
+  }
   if (!none_segments_.empty()) {
     const NoneEncodeArgs args{input.data, input.first, residual_data, residual_first, flags,
                               out,        input.dtype, plan.dtype};
@@ -756,19 +819,13 @@ void CudaBackend::encode(const Plan& plan, std::span<const Segment> segments, El
 
 void CudaBackend::decode(const Plan& plan, std::span<const Segment> segments, const uint8_t* in,
                          uint64_t byte_offset_base, ElementSpan out) {
-  quant_jobs_.clear();
-  none_segments_.clear();
-  for (const Segment& s : segments) {
-    if (s.count == 0) continue;
-    require_after(s, out.first, "decode", "output");
-    if (is_quant(plan, s))
-      quant_jobs_.push_back(quant_job(plan, s, byte_offset_base));
-    else
-      none_segments_.push_back(s);
-  }
+  for (const Segment& s : segments) require_after(s, out.first, "decode", "output");
+  sort_segments(plan, segments, byte_offset_base, "decode");
   DeviceGuard guard(device_);
   if (!quant_jobs_.empty())
     qc::decode(qc::DecodeBatch{quant_jobs_, in, out.data, out.dtype, out.first}, stream_);
+  if (!topk_jobs_.empty())
+    tk::decode(tk::DecodeBatch{topk_jobs_, in, out.data, out.dtype, out.first}, stream_);
   if (!none_segments_.empty()) {
     const NoneDecodeArgs args{in, out.data, out.first, plan.dtype, out.dtype};
     for_each_table(none_segments_, byte_offset_base, false, [&](const SegmentTable& t, dim3 grid) {
@@ -782,19 +839,13 @@ void CudaBackend::decode(const Plan& plan, std::span<const Segment> segments, co
 void CudaBackend::decode_accumulate(const Plan& plan, std::span<const Segment> segments, const uint8_t* in,
                                     uint64_t byte_offset_base, ElementSpan acc) {
   if (acc.dtype != DType::kFloat32) throw CodecError("cuda backend decode_accumulate: accumulators must be float32");
-  quant_jobs_.clear();
-  none_segments_.clear();
-  for (const Segment& s : segments) {
-    if (s.count == 0) continue;
-    require_after(s, acc.first, "decode_accumulate", "accumulator");
-    if (is_quant(plan, s))
-      quant_jobs_.push_back(quant_job(plan, s, byte_offset_base));
-    else
-      none_segments_.push_back(s);
-  }
+  for (const Segment& s : segments) require_after(s, acc.first, "decode_accumulate", "accumulator");
+  sort_segments(plan, segments, byte_offset_base, "decode_accumulate");
   DeviceGuard guard(device_);
   if (!quant_jobs_.empty())
     qc::decode_accumulate(qc::DecodeBatch{quant_jobs_, in, acc.data, DType::kFloat32, acc.first}, stream_);
+  if (!topk_jobs_.empty())
+    tk::decode_accumulate(tk::DecodeBatch{topk_jobs_, in, acc.data, DType::kFloat32, acc.first}, stream_);
   if (!none_segments_.empty()) {
     const NoneDecodeArgs args{in, acc.data, acc.first, plan.dtype, DType::kFloat32};
     for_each_table(none_segments_, byte_offset_base, false, [&](const SegmentTable& t, dim3 grid) {
@@ -861,88 +912,318 @@ void CudaBackend::grow_scratch(uint64_t bytes) {
   enqueued("allocating the statistics scratch");
 }
 
+void* CudaBackend::scratch_for(uint64_t need, const char* what) {
+  if (need > scratch_bytes_) {
+    // prepare_* should have made room: an allocation that fails here fails this rank's call
+    // alone, where the engine wants every rank to pass through together. Still grown
+    // (stream-ordered) rather than refused, for a caller that skipped it.
+    LGRECO_WARN_ONCE("SHIM", "an operation grows the kernels' scratch",
+                     "%s needed %llu bytes of scratch on CUDA device %d where %llu were prepared: prepare_measure, "
+                     "prepare_encode or prepare_lowrank was not called for it (this should not happen); growing it here",
+                     what, static_cast<unsigned long long>(need), device_,
+                     static_cast<unsigned long long>(scratch_bytes_));
+    grow_scratch(need);
+  }
+  return scratch_;
+}
+
+namespace {
+// The non-empty segments of a plan, the kMaxJobsPerTable largest first: any subset of the
+// plan's segments that one launch table of the kernels can hold needs at most what a table
+// of these needs (every term of the kernels' scratch layouts grows with a job's size).
+std::vector<Segment> largest_segments(const Plan& plan, size_t keep, bool (*wanted)(const Plan&, const Segment&)) {
+  std::vector<Segment> out;
+  for (const Segment& s : plan.segments)
+    if (s.count && wanted(plan, s)) out.push_back(s);
+  const size_t top = std::min(out.size(), keep);
+  std::partial_sort(out.begin(), out.begin() + static_cast<std::ptrdiff_t>(top), out.end(),
+                    [](const Segment& a, const Segment& b) { return a.count > b.count; });
+  out.resize(top);
+  return out;
+}
+bool any_segment(const Plan&, const Segment&) { return true; }
+bool topk_segment(const Plan& plan, const Segment& s) { return family_of(plan, s) == CodecFamily::kTopk; }
+}  // namespace
+
+void CudaBackend::split_candidates(const Measure& m, const char* what) {
+  quant_candidates_.clear();
+  quant_columns_.clear();
+  topk_candidates_.clear();
+  topk_columns_.clear();
+  lowrank_ranks_.clear();
+  lowrank_columns_.clear();
+  for (size_t k = 0; k < m.candidates.size(); ++k) {
+    if (!m.candidate_mask.empty() && !m.candidate_mask[k]) continue;
+    const CodecSpec& c = m.candidates[k];
+    const auto column = static_cast<uint32_t>(k);
+    switch (c.family()) {
+      case CodecFamily::kNone:
+      case CodecFamily::kQuant: quant_candidates_.push_back(c), quant_columns_.push_back(column); break;
+      case CodecFamily::kTopk: topk_candidates_.push_back(c.topk_params()), topk_columns_.push_back(column); break;
+      case CodecFamily::kPowersgd:
+        lowrank_ranks_.push_back(c.powersgd_params().rank), lowrank_columns_.push_back(column);
+        break;
+      default:
+        throw CodecError(std::string("cuda backend ") + what + ": candidate " + std::to_string(k) + " (" + c.str() +
+                         ") has no statistics kernels");
+    }
+  }
+  if (lowrank_ranks_.size() > lc::kMaxMeasureRanks)
+    throw CodecError(std::string("cuda backend ") + what + ": " + std::to_string(lowrank_ranks_.size()) +
+                     " PowerSGD ranks to measure, at most " + std::to_string(lc::kMaxMeasureRanks));
+}
+
 void CudaBackend::prepare_measure(const Plan& plan, std::span<const CodecSpec> candidates) {
   if (candidates.empty()) return;
-  // An upper bound on qc::stats_scratch_bytes over every subset of the plan's segments:
-  // the scratch is the largest (work items x candidates) array of any job table, and a
-  // table holds at most kMaxJobsPerLaunch jobs and fewer than 2^31 work items. Which jobs
-  // share a table depends on the subset (two large segments far apart in the plan may
-  // meet in one table when the ones between them are not measured), so the full plan's
-  // own need is not a bound; the kMaxJobsPerLaunch largest segments in one table are.
-  // The launches (one per bucket size, `none` riding along the first) come from the
-  // kernels' own split, with no jobs; it throws CodecError on candidates they cannot
-  // measure, as measure() would.
-  const std::vector<qc::StatsLaunch> launches = qc::stats_launches({}, candidates, "cuda backend prepare_measure");
-  std::vector<uint64_t> counts;
-  counts.reserve(plan.segments.size());
-  for (const Segment& s : plan.segments)
-    if (s.count) counts.push_back(s.count);
-  const size_t top = std::min<size_t>(counts.size(), quant::warp::kMaxJobsPerLaunch);
-  std::partial_sort(counts.begin(), counts.begin() + static_cast<std::ptrdiff_t>(top), counts.end(),
-                    std::greater<uint64_t>());
-  constexpr uint64_t kMaxWork = (uint64_t{1} << 31) - 1;  // kernels/quant_batch.cc's limit per table
+  Measure all;
+  all.candidates = candidates;
+  split_candidates(all, "prepare_measure");
   uint64_t need = 0;
-  for (const qc::StatsLaunch& launch : launches) {
-    uint64_t work = 0;
-    for (size_t i = 0; i < top; ++i) work += (counts[i] + launch.bucket - 1) / launch.bucket;
-    need = std::max<uint64_t>(need, std::min(work, kMaxWork) * launch.candidates.size() * sizeof(double));
+  if (!quant_candidates_.empty()) {
+    // An upper bound on qc::stats_scratch_bytes over every subset of the plan's segments:
+    // the scratch is the largest (work items x candidates) array of any job table, and a
+    // table holds at most kMaxJobsPerLaunch jobs and fewer than 2^31 work items. Which jobs
+    // share a table depends on the subset (two large segments far apart in the plan may
+    // meet in one table when the ones between them are not measured), so the full plan's
+    // own need is not a bound; the kMaxJobsPerLaunch largest segments in one table are.
+    // The launches (one per bucket size, `none` riding along the first) come from the
+    // kernels' own split, with no jobs; it throws CodecError on candidates they cannot
+    // measure, as measure() would.
+    const std::vector<qc::StatsLaunch> launches =
+        qc::stats_launches({}, quant_candidates_, "cuda backend prepare_measure");
+    const std::vector<Segment> top = largest_segments(plan, quant::warp::kMaxJobsPerLaunch, any_segment);
+    constexpr uint64_t kMaxWork = (uint64_t{1} << 31) - 1;  // kernels/quant_batch.cc's limit per table
+    for (const qc::StatsLaunch& launch : launches) {
+      uint64_t work = 0;
+      for (const Segment& s : top) work += (s.count + launch.bucket - 1) / launch.bucket;
+      need = std::max<uint64_t>(need, std::min(work, kMaxWork) * launch.candidates.size() * sizeof(double));
+    }
   }
+  if (!topk_candidates_.empty()) {
+    // The same bound for TopK's statistics: its tables hold kMaxJobsPerTable jobs.
+    topk_jobs_.clear();
+    for (const Segment& s : largest_segments(plan, tk::plan::kMaxJobsPerTable, any_segment))
+      topk_jobs_.push_back(topk_stats_job(s));
+    need = std::max(need, tk::stats_scratch_bytes(topk_jobs_, topk_candidates_));
+  }
+  grow_scratch(need);
+}
+
+void CudaBackend::prepare_encode(const Plan& plan) {
+  // Every TopK segment (which checks them all: a layer of 2^32 values or more is refused
+  // here, where every rank passes through, not in the middle of a call), and the largest
+  // that share one table (the bound for any subset, as prepare_measure's).
+  topk_jobs_.clear();
+  for (const Segment& s : plan.segments)
+    if (s.count && topk_segment(plan, s)) topk_jobs_.push_back(topk_job(plan, s, 0));
+  if (topk_jobs_.empty()) return;
+  uint64_t need = tk::encode_scratch_bytes(topk_jobs_);
+  topk_jobs_.clear();
+  for (const Segment& s : largest_segments(plan, tk::plan::kMaxJobsPerTable, topk_segment))
+    topk_jobs_.push_back(topk_job(plan, s, 0));
+  need = std::max(need, tk::encode_scratch_bytes(topk_jobs_));
   grow_scratch(need);
 }
 
 std::string CudaBackend::unsupported(const CodecSpec& spec) const {
   switch (spec.family()) {
     case CodecFamily::kNone:
-    case CodecFamily::kQuant: return "";
-    default: return std::string("the CUDA backend has no kernels for ") + family_name(spec.family()) + " yet";
+    case CodecFamily::kQuant:
+    case CodecFamily::kTopk: return "";
+    case CodecFamily::kPowersgd: {
+      const std::string why = lc::cublas_problem();
+      return why.empty() ? "" : "the CUDA backend runs PowerSGD's products with cuBLAS: " + why;
+    }
+    default: return std::string("the CUDA backend has no kernels for ") + family_name(spec.family());
   }
 }
 
 void CudaBackend::measure(const Plan&, std::span<const Segment> segments, ElementSpan input, const float* residual,
                           uint64_t residual_first, const Measure& m) {
-  // The quantization statistics fill every candidate's column; a mask that leaves some
-  // out only comes with families this backend does not support (unsupported()).
-  for (uint8_t measured : m.candidate_mask)
-    if (!measured) throw std::logic_error("CudaBackend::measure: a candidate mask is not supported");
+  split_candidates(m, "measure");
+  if (!lowrank_ranks_.empty())
+    throw std::logic_error("lgreco: cuda backend measure: PowerSGD candidates are measured by measure_lowrank");
   quant_jobs_.clear();
+  topk_jobs_.clear();
   for (const Segment& s : segments) {
     if (s.count == 0 || !m.measured[s.layer]) continue;
-    qc::Job job;
-    job.element_offset = s.offset;
-    job.count = s.count;
-    job.first_element = s.first_element;
-    job.layer = s.layer;  // params are ignored by the statistics
-    quant_jobs_.push_back(job);
+    require_after(s, input.first, "measure", "input");
+    if (residual) require_after(s, residual_first, "measure", "residual");
+    if (!quant_candidates_.empty()) {
+      qc::Job job;
+      job.element_offset = s.offset;
+      job.count = s.count;
+      job.first_element = s.first_element;
+      job.layer = s.layer;  // params are ignored by the statistics
+      quant_jobs_.push_back(job);
+    }
+    if (!topk_candidates_.empty()) topk_jobs_.push_back(topk_stats_job(s));
   }
-  if (quant_jobs_.empty() || m.candidates.empty()) return;
+  if (quant_jobs_.empty() && topk_jobs_.empty()) return;
+  const auto row_stride = static_cast<uint32_t>(m.candidates.size());
+  uint64_t need = 0;
+  if (!quant_jobs_.empty()) need = qc::stats_scratch_bytes(quant_jobs_, quant_candidates_);
+  if (!topk_jobs_.empty()) need = std::max(need, tk::stats_scratch_bytes(topk_jobs_, topk_candidates_));
   DeviceGuard guard(device_);
-  const uint64_t need = qc::stats_scratch_bytes(quant_jobs_, m.candidates);
-  if (need > scratch_bytes_) {
-    // prepare_measure should have made room: an allocation that fails here fails this
-    // rank's call alone, where the engine wants every rank to pass through together. Still
-    // grown (stream-ordered) rather than refused, for a caller that skipped it.
-    LGRECO_WARN_ONCE("SHIM", "measure grows the statistics scratch",
-                     "measure needed %llu bytes of statistics scratch on CUDA device %d where %llu were prepared: "
-                     "prepare_measure was not called for this plan and candidates (this should not happen); growing "
-                     "it here",
-                     static_cast<unsigned long long>(need), device_, static_cast<unsigned long long>(scratch_bytes_));
-    grow_scratch(need);
+  void* scratch = scratch_for(need, "measure");
+  if (!quant_jobs_.empty()) {
+    qc::StatsBatch batch;
+    batch.jobs = quant_jobs_;
+    batch.candidates = quant_candidates_;
+    batch.input = input.data;
+    batch.input_dtype = input.dtype;
+    batch.input_first = input.first;
+    batch.residual = residual;
+    batch.residual_first = residual_first;
+    batch.squared = m.squared;
+    batch.columns = quant_columns_;
+    batch.row_stride = row_stride;
+    batch.nonfinite = m.nonfinite;
+    batch.weight = m.weight;
+    batch.scratch = scratch;
+    batch.scratch_bytes = scratch_bytes_;
+    qc::squared_errors(batch, stream_);
   }
-  qc::StatsBatch batch;
-  batch.jobs = quant_jobs_;
-  batch.candidates = m.candidates;
-  batch.input = input.data;
-  batch.input_dtype = input.dtype;
-  batch.input_first = input.first;
-  batch.residual = residual;
-  batch.residual_first = residual_first;
-  batch.squared = m.squared;
-  batch.nonfinite = m.nonfinite;
-  batch.weight = m.weight;
-  batch.scratch = scratch_;
-  batch.scratch_bytes = scratch_bytes_;
-  qc::squared_errors(batch, stream_);
+  if (!topk_jobs_.empty()) {
+    tk::StatsBatch batch;
+    batch.jobs = topk_jobs_;
+    batch.candidates = topk_candidates_;
+    batch.columns = topk_columns_;
+    batch.row_stride = row_stride;
+    batch.input = input.data;
+    batch.input_dtype = input.dtype;
+    batch.input_first = input.first;
+    batch.residual = residual;
+    batch.residual_first = residual_first;
+    batch.squared = m.squared;
+    batch.nonfinite = m.nonfinite;
+    batch.weight = m.weight;
+    batch.scratch = scratch;
+    batch.scratch_bytes = scratch_bytes_;
+    tk::squared_errors(batch, stream_);
+  }
   enqueued("measure");
+}
+
+// ---------------------------------------------------------------------------------------
+// Low rank
+
+std::span<const lc::Layer> CudaBackend::lowrank_layers(std::span<const LowRankLayer> layers, uint32_t rank) {
+  lowrank_layers_.clear();
+  for (const LowRankLayer& l : layers)
+    lowrank_layers_.push_back(lc::Layer{l.layer, l.offset, l.rows, l.cols, rank ? rank : l.rank, l.p_offset, l.q_offset});
+  return lowrank_layers_;
+}
+
+lc::Handle& CudaBackend::cublas(const char* what) {
+  if (!cublas_.valid())
+    throw std::logic_error(std::string("lgreco: cuda backend ") + what +
+                           ": no cuBLAS context (prepare_lowrank was not called)");
+  return cublas_;
+}
+
+void CudaBackend::prepare_lowrank(std::span<const LowRankLayer> layers, std::span<const LowRankLayer> measured,
+                                  uint32_t max_measured_rank, DType dtype, bool residual) {
+  // Sizes first (they check every layer against the kernels' limits), then the context.
+  uint64_t need = 0;
+  if (!layers.empty()) need = lc::scratch_bytes(lowrank_layers(layers), dtype, residual);
+  if (!measured.empty() && max_measured_rank)
+    need = std::max(need, lc::measure_scratch_bytes(lowrank_layers(measured, max_measured_rank), max_measured_rank,
+                                                    dtype, residual));
+  if (!cublas_.valid()) {
+    if (const std::string why = lc::cublas_problem(); !why.empty())
+      throw std::runtime_error("lgreco: PowerSGD needs cuBLAS: " + why);
+    DeviceGuard guard(device_);
+    if (!cublas_workspace_) {
+      reserve(lc::kWorkspaceBytes, "device (cuBLAS workspace)");
+      cublas_workspace_ = device_malloc(*shared_, lc::kWorkspaceBytes, stream_, "cuBLAS workspace");
+      shared_->device_bytes += lc::kWorkspaceBytes;
+      enqueued("allocating the cuBLAS workspace");
+    }
+    cublas_ = lc::Handle::create(cublas_workspace_, lc::kWorkspaceBytes);
+    LGRECO_INFO("SHIM", "cuBLAS %d on CUDA device %d for PowerSGD (float32 products, no TF32)",
+                cublas_.cublas_version(), device_);
+  }
+  grow_scratch(need);
+}
+
+void CudaBackend::lowrank_project(std::span<const LowRankLayer> layers, ElementSpan input, const float* residual,
+                                  const uint8_t* flags, const float* q, float* p) {
+  if (layers.empty()) return;
+  const std::span<const lc::Layer> ls = lowrank_layers(layers);
+  const lc::Source source{input.data, input.dtype, input.first, const_cast<float*>(residual), 0, flags};
+  lc::Handle& handle = cublas("lowrank_project");
+  DeviceGuard guard(device_);
+  void* scratch = scratch_for(lc::scratch_bytes(ls, input.dtype, residual != nullptr), "lowrank_project");
+  lc::project(handle, ls, source, q, p, lc::Scratch{scratch, scratch_bytes_}, stream_);
+  enqueued("lowrank_project");
+}
+
+void CudaBackend::lowrank_orthonormalize(std::span<const LowRankLayer> layers, float* p) {
+  if (layers.empty()) return;
+  const std::span<const lc::Layer> ls = lowrank_layers(layers);
+  DeviceGuard guard(device_);
+  void* scratch = scratch_for(lc::scratch_bytes(ls, DType::kFloat32, false), "lowrank_orthonormalize");
+  lc::orthonormalize(ls, p, lc::Scratch{scratch, scratch_bytes_}, stream_);
+  enqueued("lowrank_orthonormalize");
+}
+
+void CudaBackend::lowrank_back_project(std::span<const LowRankLayer> layers, ElementSpan input, float* residual,
+                                       const uint8_t* flags, const float* p, float* q) {
+  if (layers.empty()) return;
+  const std::span<const lc::Layer> ls = lowrank_layers(layers);
+  const lc::Source source{input.data, input.dtype, input.first, residual, 0, flags};
+  lc::Handle& handle = cublas("lowrank_back_project");
+  DeviceGuard guard(device_);
+  void* scratch = scratch_for(lc::scratch_bytes(ls, input.dtype, residual != nullptr), "lowrank_back_project");
+  lc::back_project(handle, ls, source, p, q, lc::Scratch{scratch, scratch_bytes_}, stream_);
+  enqueued("lowrank_back_project");
+}
+
+void CudaBackend::lowrank_reconstruct(std::span<const LowRankLayer> layers, const float* p, const float* q, float scale,
+                                      ElementSpan out) {
+  if (layers.empty()) return;
+  const std::span<const lc::Layer> ls = lowrank_layers(layers);
+  DeviceGuard guard(device_);
+  lc::reconstruct(ls, p, q, scale, lc::Output{out.data, out.dtype, out.first}, stream_);
+  enqueued("lowrank_reconstruct");
+}
+
+void CudaBackend::lowrank_keep(std::span<const LowRankLayer> layers, const float* q_new, const float* q0, float* q) {
+  if (layers.empty()) return;
+  const std::span<const lc::Layer> ls = lowrank_layers(layers);
+  DeviceGuard guard(device_);
+  lc::keep(ls, q_new, q0, q, stream_);
+  enqueued("lowrank_keep");
+}
+
+void CudaBackend::measure_lowrank(std::span<const LowRankLayer> layers, ElementSpan input, const float* residual,
+                                  const NoiseBase& key, const Measure& m) {
+  split_candidates(m, "measure_lowrank");
+  if (lowrank_ranks_.empty() || layers.empty()) return;
+  if (std::none_of(layers.begin(), layers.end(), [&](const LowRankLayer& l) { return m.measured[l.layer] != 0; }))
+    return;
+  const uint32_t max_rank = *std::max_element(lowrank_ranks_.begin(), lowrank_ranks_.end());
+  const std::span<const lc::Layer> ls = lowrank_layers(layers, max_rank);
+  lc::Measure measure;
+  measure.ranks = lowrank_ranks_;
+  measure.columns = lowrank_columns_;
+  measure.row_stride = static_cast<uint32_t>(m.candidates.size());
+  measure.measured = m.measured;
+  measure.squared = m.squared;
+  measure.nonfinite = m.nonfinite;
+  measure.weight = m.weight;
+  measure.seed = key.seed;
+  measure.step = key.step;
+  measure.layer_base = key.layer_base;
+  // No flags: the statistics always include the residual, as the CPU backend's do.
+  const lc::Source source{input.data, input.dtype, input.first, const_cast<float*>(residual), 0, nullptr};
+  lc::Handle& handle = cublas("measure_lowrank");
+  DeviceGuard guard(device_);
+  void* scratch =
+      scratch_for(lc::measure_scratch_bytes(ls, max_rank, input.dtype, residual != nullptr), "measure_lowrank");
+  lc::squared_errors(handle, ls, source, measure, lc::Scratch{scratch, scratch_bytes_}, stream_);
+  enqueued("measure_lowrank");
 }
 
 // ---------------------------------------------------------------------------------------

@@ -42,7 +42,9 @@
 #include <string>
 #include <vector>
 
+#include "kernels/lowrank_cuda.h"
 #include "kernels/quant_cuda.h"
+#include "kernels/topk_cuda.h"
 #include "plugin/shim/device_runtime.h"
 
 struct CUevent_st;  // cudaEvent_t
@@ -62,7 +64,8 @@ class CudaBackend final : public StreamBackend {
   CudaBackend& operator=(const CudaBackend&) = delete;
 
   std::string name() const override { return "cuda"; }
-  // none and quant; TopK has no CUDA kernels yet.
+  // Every family: none, quant and topk always; powersgd where cuBLAS can be loaded
+  // (lowrank::cuda::cublas_problem says why not).
   std::string unsupported(const CodecSpec& spec) const override;
   int device() const { return device_; }
   uint64_t memory_cap() const { return cap_; }
@@ -109,6 +112,26 @@ class CudaBackend final : public StreamBackend {
   void measure(const collective::Plan& plan, std::span<const collective::Segment> segments,
                collective::ElementSpan input, const float* residual, uint64_t residual_first,
                const Measure& m) override;
+  // Grows the same scratch for TopK's selection (the largest encode any segments of the
+  // plan could need), so that encode() allocates nothing either.
+  void prepare_encode(const collective::Plan& plan) override;
+
+  // Low rank: kernels/lowrank_cuda.h, one cuBLAS context per backend, created (with its
+  // workspace, counted in device_bytes and the cap) by prepare_lowrank, which also grows
+  // the scratch for the layers' staging and Gram-Schmidt. An operation that finds no
+  // context or too small a scratch throws std::logic_error: the engine prepares first.
+  void prepare_lowrank(std::span<const LowRankLayer> layers, std::span<const LowRankLayer> measured,
+                       uint32_t max_measured_rank, DType dtype, bool residual) override;
+  void lowrank_project(std::span<const LowRankLayer> layers, collective::ElementSpan input, const float* residual,
+                       const uint8_t* flags, const float* q, float* p) override;
+  void lowrank_orthonormalize(std::span<const LowRankLayer> layers, float* p) override;
+  void lowrank_back_project(std::span<const LowRankLayer> layers, collective::ElementSpan input, float* residual,
+                            const uint8_t* flags, const float* p, float* q) override;
+  void lowrank_reconstruct(std::span<const LowRankLayer> layers, const float* p, const float* q, float scale,
+                           collective::ElementSpan out) override;
+  void lowrank_keep(std::span<const LowRankLayer> layers, const float* q_new, const float* q0, float* q) override;
+  void measure_lowrank(std::span<const LowRankLayer> layers, collective::ElementSpan input, const float* residual,
+                       const collective::NoiseBase& key, const Measure& m) override;
 
   uint64_t mark() override;
   bool mark_ready(uint64_t mark) override;
@@ -129,9 +152,24 @@ class CudaBackend final : public StreamBackend {
   CUevent_st* mark_event(uint64_t mark, const char* what) const;
   // Re-records the "last work" event on the current stream, after an operation enqueued.
   void enqueued(const char* what);
-  // Makes the statistics' scratch at least `bytes` (stream-ordered; the old one is freed
+  // Makes the kernels' scratch at least `bytes` (stream-ordered; the old one is freed
   // after everything enqueued so far). Throws std::bad_alloc.
   void grow_scratch(uint64_t bytes);
+  // Fills quant_jobs_, topk_jobs_ and none_segments_ from the non-empty segments; a
+  // low-rank segment is the engine's mistake (std::logic_error).
+  void sort_segments(const collective::Plan& plan, std::span<const collective::Segment> segments,
+                     uint64_t byte_offset_base, const char* op);
+  // The scratch, at least `need` bytes: grown (one WARN) where the engine did not prepare.
+  void* scratch_for(uint64_t need, const char* what);
+  // The cuBLAS context on the current stream's device, or std::logic_error.
+  lowrank::cuda::Handle& cublas(const char* what);
+  // layers as the kernels' Layer list (a reused host vector, so one list at a time), with
+  // `rank` in place of each layer's own when nonzero (measure_lowrank's basis rank).
+  std::span<const lowrank::cuda::Layer> lowrank_layers(std::span<const LowRankLayer> layers, uint32_t rank = 0);
+  // The candidates of m that it measures, by family, with their columns in its rows
+  // (quant_candidates_ and none, topk_candidates_, lowrank_ranks_). Throws CodecError for
+  // more PowerSGD ranks than the kernels measure at once.
+  void split_candidates(const Measure& m, const char* what);
 
   int device_;
   uint64_t cap_;
@@ -141,11 +179,21 @@ class CudaBackend final : public StreamBackend {
   std::shared_ptr<EventPool> read_back_events_;
   std::vector<CUevent_st*> marks_;  // handle i is marks_[i]
   std::vector<uint64_t> free_marks_;
-  void* scratch_ = nullptr;  // the statistics' scratch
+  // The kernels' scratch, one buffer shared by whatever runs on the stream: the statistics,
+  // TopK's selection, PowerSGD's staging and Gram-Schmidt.
+  void* scratch_ = nullptr;
   uint64_t scratch_bytes_ = 0;
+  // The cuBLAS context and its workspace (the destructor destroys the context first).
+  void* cublas_workspace_ = nullptr;
+  lowrank::cuda::Handle cublas_;
   // Reused host-side lists of jobs (no host allocation per call once they have grown).
   std::vector<quant::cuda::Job> quant_jobs_;
+  std::vector<topk::cuda::Job> topk_jobs_;
   std::vector<collective::Segment> none_segments_;
+  std::vector<lowrank::cuda::Layer> lowrank_layers_;
+  std::vector<CodecSpec> quant_candidates_;
+  std::vector<uint32_t> quant_columns_, topk_columns_, lowrank_ranks_, lowrank_columns_;
+  std::vector<TopkParams> topk_candidates_;
 };
 
 }  // namespace lgreco::shim
