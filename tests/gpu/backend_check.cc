@@ -3,13 +3,17 @@
 // operation.
 //
 //   --check [--quick]  fresh random plans (collective::make_plan over random bucket layouts
-//                      of quant and `none` layers, float32/float16/bfloat16, random bits,
+//                      of quant, TopK and `none` layers, float32/float16/bfloat16, random bits,
 //                      buckets, roundings and partitions), ElementSpans whose first
 //                      element is not 0, flags with some layers set, NaN/Inf/overflow
 //                      injections and poisoned outputs; every operation's bytes compared
 //                      with the CPU backend's (measure: within the tolerance of
 //                      docs/KERNELS.md; a fresh backend after prepare_measure must
-//                      measure the same bytes without allocating). Then set_stream's
+//                      measure the same bytes without allocating; likewise encode after
+//                      prepare_encode; a random subset of the candidates measured, the
+//                      other columns untouched); PowerSGD's operations through the backend
+//                      on random matrix layers (docs/KERNELS.md's cuBLAS tolerances, the
+//                      rest bit for bit, nothing allocated after prepare_lowrank). Then set_stream's
 //                      ordering across two streams, stream-ordered frees (a buffer freed
 //                      while work on it is queued, its memory reused at once), set_stream
 //                      away from a destroyed and from a capturing stream, the memory cap
@@ -245,13 +249,22 @@ CodecSpec random_quant(Rng& rng) {
   return CodecSpec::quant(p);
 }
 
+CodecSpec random_topk(Rng& rng) {
+  return CodecSpec::parse(std::string("topk:density=") + pick<const char*>(rng, {"0.001", "0.01", "0.01", "0.05", "0.3", "1"}));
+}
+
 Trial random_trial(Rng& rng, bool quick, int index) {
   Trial t;
   t.layout.dtype = kDTypes[below(rng, 3)];
-  // One candidate list for every layer: none and/or a few quant specs.
-  const size_t n_quant = below(rng, 5);
-  if (n_quant == 0 || chance(rng, 0.6)) t.candidates.push_back(CodecSpec::none());
+  // One candidate list for every layer: none and/or a few quant and TopK specs (the
+  // backend measures both families into one table, each in its own columns).
+  const size_t n_quant = below(rng, 5), n_topk = chance(rng, 0.5) ? below(rng, 4) : 0;
+  if (n_quant + n_topk == 0 || chance(rng, 0.6)) t.candidates.push_back(CodecSpec::none());
   for (size_t k = 0; k < n_quant; ++k) t.candidates.push_back(random_quant(rng));
+  for (size_t k = 0; k < n_topk; ++k) {
+    const CodecSpec c = random_topk(rng);
+    if (std::find(t.candidates.begin(), t.candidates.end(), c) == t.candidates.end()) t.candidates.push_back(c);
+  }
   std::shuffle(t.candidates.begin(), t.candidates.end(), rng);
   const uint32_t layers = static_cast<uint32_t>(1 + below(rng, quick ? 6 : 14));
   uint64_t offset = 0;
@@ -266,9 +279,10 @@ Trial random_trial(Rng& rng, bool quick, int index) {
     offset += layer.numel;
     layer.candidates = t.candidates;
     t.layout.layers.push_back(layer);
-    t.layer_codecs.push_back(chance(rng, 0.5) ? t.candidates[below(rng, t.candidates.size())]
-                             : chance(rng, 0.3) ? CodecSpec::none()
-                                                : random_quant(rng));
+    t.layer_codecs.push_back(chance(rng, 0.5)    ? t.candidates[below(rng, t.candidates.size())]
+                             : chance(rng, 0.25) ? CodecSpec::none()
+                             : chance(rng, 0.3)  ? random_topk(rng)
+                                                 : random_quant(rng));
     t.layer_scale.push_back(pick<float>(rng, {1e-3f, 1.0f, 1.0f, 30.0f, 1e4f}));
     t.layer_injects.push_back(chance(rng, 0.25) ? 1 : chance(rng, 0.15) ? 2 : 0);
   }
@@ -460,10 +474,29 @@ void check_codec(Ctx& c, const Trial& t) {
                                 with_residual ? "residual" : "no residual", with_flags ? "flags" : "no flags");
   c.cpu.encode(t.plan, t.segments, cpu_span(in), with_residual ? reinterpret_cast<float*>(res.host.data()) : nullptr,
                res.first, with_flags ? flags.data() : nullptr, noise, payload.data(), base);
+  const std::vector<uint8_t> res_before = res.host, payload_before = payload;
   c.gpu.encode(t.plan, t.segments, gpu_span(in, d_in), with_residual ? f32(d_res) : nullptr, res.first,
                with_flags ? d_flags.get() : nullptr, noise, d_payload.get(), base);
-  expect_same(c, "encode payload", what, payload, from_device(d_payload), 1);
-  expect_same(c, "encode residual", what, res.host, from_device(d_res), 4);
+  const std::vector<uint8_t> gpu_payload = from_device(d_payload), gpu_res = from_device(d_res);
+  expect_same(c, "encode payload", what, payload, gpu_payload, 1);
+  expect_same(c, "encode residual", what, res.host, gpu_res, 4);
+
+  // prepare_encode: a fresh backend prepared for the whole plan encodes this partition's
+  // segments (TopK's selection needs scratch) without allocating, to the same bytes.
+  {
+    auto fresh = CudaBackend::create(c.gpu.device(), 0);
+    fresh->set_stream(c.stream);
+    fresh->prepare_encode(t.plan);
+    const uint64_t prepared = fresh->device_bytes();
+    DeviceBuffer d_res2 = to_device(res_before), d_payload2 = to_device(payload_before);
+    fresh->encode(t.plan, t.segments, gpu_span(in, d_in), with_residual ? f32(d_res2) : nullptr, res.first,
+                  with_flags ? d_flags.get() : nullptr, noise, d_payload2.get(), base);
+    c.r.check(fresh->device_bytes() == prepared, "prepare_encode",
+              strf("%s: encode after prepare_encode changed device_bytes from %llu to %llu", t.name.c_str(),
+                   static_cast<ull>(prepared), static_cast<ull>(fresh->device_bytes())));
+    c.r.check(from_device(d_payload2) == gpu_payload && from_device(d_res2) == gpu_res, "prepare_encode",
+              strf("%s: a prepared backend encoded other bytes than the unprepared one", t.name.c_str()));
+  }
 
   // decode into any element type, poisoned around and between the segments.
   const DType out_dtype = kDTypes[below(c.rng, 3)];
@@ -521,11 +554,17 @@ void check_measure(Ctx& c, const Trial& t) {
   const double weight = pick<double>(c.rng, {1.0, 1.0, 1.0 / 16, 0.37});
   const std::vector<double> squared_before = squared;
   const std::vector<uint8_t> nonfinite_before = nonfinite;
+  // Sometimes a subset of the candidates (the engine measures families at different
+  // stages): the others' columns must stay as they were.
+  std::vector<uint8_t> mask;
+  if (chance(c.rng, 0.4))
+    for (size_t k = 0; k < nc; ++k) mask.push_back(chance(c.rng, 0.6));
 
   DeviceBuffer d_in = to_device(in.host), d_res = to_device(res.host), d_sq = to_device(bytes_of(squared)),
       d_nf = to_device(nonfinite);
-  collective::Backend::Measure m_cpu{t.candidates, measured, squared.data(), nonfinite.data(), weight};
-  collective::Backend::Measure m_gpu{t.candidates, measured, reinterpret_cast<double*>(d_sq.get()), d_nf.get(), weight};
+  collective::Backend::Measure m_cpu{t.candidates, measured, squared.data(), nonfinite.data(), weight, mask};
+  collective::Backend::Measure m_gpu{t.candidates, measured, reinterpret_cast<double*>(d_sq.get()), d_nf.get(), weight,
+                                     mask};
   c.cpu.measure(t.plan, t.segments, cpu_span(in), with_residual ? reinterpret_cast<const float*>(res.host.data()) : nullptr,
                 res.first, m_cpu);
   c.gpu.measure(t.plan, t.segments, gpu_span(in, d_in), with_residual ? f32(d_res) : nullptr, res.first, m_gpu);
@@ -541,7 +580,7 @@ void check_measure(Ctx& c, const Trial& t) {
     const uint64_t prepared = fresh->device_bytes();
     DeviceBuffer d_sq2 = to_device(bytes_of(squared_before)), d_nf2 = to_device(nonfinite_before);
     collective::Backend::Measure m2{t.candidates, measured, reinterpret_cast<double*>(d_sq2.get()), d_nf2.get(),
-                                    weight};
+                                    weight, mask};
     fresh->measure(t.plan, t.segments, gpu_span(in, d_in), with_residual ? f32(d_res) : nullptr, res.first, m2);
     c.r.check(fresh->device_bytes() == prepared, "prepare_measure",
               strf("%s: measure after prepare_measure changed device_bytes from %llu to %llu", t.name.c_str(),
@@ -591,7 +630,7 @@ void check_measure(Ctx& c, const Trial& t) {
       const size_t i = l * nc + k;
       const double want = squared[i], have = got[i];
       bool ok;
-      if (!measured[l] || std::isinf(want) || std::isnan(want)) {
+      if (!measured[l] || (!mask.empty() && !mask[k]) || std::isinf(want) || std::isnan(want)) {
         ok = memcmp(&want, &have, sizeof want) == 0 || (std::isnan(want) && std::isnan(have));
       } else {
         const double added_cpu = want - squared_before[i];
@@ -611,6 +650,249 @@ void check_measure(Ctx& c, const Trial& t) {
   else
     c.r.pass("measure", got.size());
   expect_same(c, "measure nonfinite", what, nonfinite, got_nf, 1);
+}
+
+// ---------------------------------------------------------------------------------------
+// Low rank: the lowrank_* operations and measure_lowrank on a few matrix layers placed at
+// random offsets of a call, each against the CPU backend given the same inputs (so that
+// one operation's tolerance does not carry into the next), with docs/KERNELS.md's
+// tolerances where cuBLAS's float32 sums differ from the CPU's float64 ones. What this
+// adds to lgreco-gpu-lowrank-check (the kernels themselves): the backend's wiring (layer
+// offsets, P and Q offsets, flags, residual, scale, output type, the candidate columns),
+// and that after prepare_lowrank nothing is allocated.
+
+using LowRankLayer = collective::Backend::LowRankLayer;
+
+// ||a - b|| / ||b|| over [at, at + n) of two float32 arrays (0 when both are 0).
+double relative_error(const std::vector<float>& a, const std::vector<float>& b, uint64_t at, uint64_t n) {
+  double diff = 0, norm = 0;
+  for (uint64_t i = at; i < at + n; ++i) {
+    diff += (static_cast<double>(a[i]) - b[i]) * (static_cast<double>(a[i]) - b[i]);
+    norm += static_cast<double>(b[i]) * b[i];
+  }
+  return norm > 0 ? std::sqrt(diff / norm) : std::sqrt(diff);
+}
+std::vector<float> floats_of(const std::vector<uint8_t>& b) {
+  std::vector<float> f(b.size() / 4);
+  if (!f.empty()) memcpy(f.data(), b.data(), f.size() * 4);
+  return f;
+}
+std::vector<float> normal_floats(Rng& rng, uint64_t n) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> v(n);
+  for (float& x : v) x = normal(rng);
+  return v;
+}
+
+void check_lowrank(Report& r, CpuBackend& cpu, int device, cudaStream_t stream, Rng& rng, int index) {
+  // 1..4 layers, shapes from vectors to 1024 x 512, ranks up to 8 (some above a side).
+  const DType dtype = kDTypes[below(rng, 3)];
+  const bool with_residual = chance(rng, 0.75);
+  std::vector<LowRankLayer> layers;
+  uint64_t offset = below(rng, 100), p_floats = 0, q_floats = 0;
+  const size_t n_layers = 1 + below(rng, 4);
+  for (size_t i = 0; i < n_layers; ++i) {
+    LowRankLayer l;
+    l.layer = static_cast<uint32_t>(2 * i + below(rng, 2));  // not every bucket layer is low rank
+    l.rows = pick<uint64_t>(rng, {1, 3, 37, 64, 300, 1024});
+    l.cols = pick<uint64_t>(rng, {1, 5, 48, 64, 257, 512});
+    l.rank = static_cast<uint32_t>(pick<uint64_t>(rng, {1, 2, 4, 8}));
+    l.offset = offset;
+    l.p_offset = p_floats;
+    l.q_offset = q_floats;
+    offset += l.rows * l.cols + below(rng, 50);  // gaps the operations must leave alone
+    p_floats += l.rows * l.rank;
+    q_floats += l.cols * l.rank;
+    layers.push_back(l);
+  }
+  const uint64_t count = offset + below(rng, 20);
+  const uint32_t bucket_layers = 2 * static_cast<uint32_t>(n_layers) + 1;
+  std::string shapes;
+  for (const LowRankLayer& l : layers)
+    shapes += strf("%s%llux%llu@%u", shapes.empty() ? "" : " ", static_cast<ull>(l.rows), static_cast<ull>(l.cols), l.rank);
+  const std::string name = strf("low rank %d: %s, %s, %s", index, dtype_name(dtype), shapes.c_str(),
+                                with_residual ? "residual" : "no residual");
+
+  // Input: gradient-like values; a flagged layer (an overflow step) ignores its residual.
+  Trial shape;  // fill_values needs a layout: one layer of the whole call, scale 1
+  shape.layout.count = count;
+  shape.layout.layers.push_back(collective::LayerLayout{"all", 0, count, {}, 0});
+  shape.layer_scale = {1.0f};
+  shape.layer_injects = {0};
+  Span in{0, count, dtype, std::vector<uint8_t>(count * dtype_size(dtype))};
+  fill_values(rng, shape, in, false);
+  std::vector<float> residual = normal_floats(rng, count);
+  for (float& v : residual) v *= 0.05f;
+  std::vector<uint8_t> flags(bucket_layers, 0);
+  for (auto& f : flags) f = chance(rng, 0.25) ? 1 : 0;
+  const std::vector<float> q_in = normal_floats(rng, q_floats);
+  const std::vector<float> p_poison(p_floats, std::numeric_limits<float>::quiet_NaN());
+
+  auto gpu = CudaBackend::create(device, 0);
+  gpu->set_stream(stream);
+  // Without prepare_lowrank there is no cuBLAS context: the engine's mistake, refused.
+  {
+    DeviceBuffer d_in = to_device(in.host), d_q = to_device(bytes_of(q_in)), d_p = to_device(bytes_of(p_poison));
+    bool refused = false;
+    try {
+      gpu->lowrank_project(layers, gpu_span(in, d_in), nullptr, nullptr, f32(d_q), f32(d_p));
+    } catch (const std::logic_error&) {
+      refused = true;
+    }
+    r.check(refused, "lowrank unprepared", name + ": lowrank_project before prepare_lowrank did not throw");
+  }
+  gpu->prepare_lowrank(layers, layers, 8, dtype, with_residual);
+  const uint64_t prepared = gpu->device_bytes();
+
+  DeviceBuffer d_in = to_device(in.host), d_res = to_device(bytes_of(residual)), d_flags = to_device(flags);
+  float* const cpu_res = with_residual ? residual.data() : nullptr;
+  float* const gpu_res = with_residual ? f32(d_res) : nullptr;
+  const uint8_t* const cpu_flags = with_residual ? flags.data() : nullptr;
+  const uint8_t* const gpu_flags = with_residual ? d_flags.get() : nullptr;
+  // Per layer: the worst relative error of an operation, checked against its bound.
+  const auto within = [&](const char* row, const std::vector<float>& got, const std::vector<float>& want, bool by_p,
+                          double bound) {
+    double worst = 0;
+    for (const LowRankLayer& l : layers) {
+      const uint64_t at = by_p ? l.p_offset : l.q_offset, n = (by_p ? l.rows : l.cols) * l.rank;
+      worst = std::max(worst, relative_error(got, want, at, n));
+    }
+    r.check(worst <= bound, row, strf("%s: relative error %.3g above %.0e", name.c_str(), worst, bound));
+    r.note(row, strf("worst %.1e", worst));
+  };
+
+  // project: P = M Q.
+  std::vector<float> p_cpu(p_floats);
+  cpu.lowrank_project(layers, cpu_span(in), cpu_res, cpu_flags, q_in.data(), p_cpu.data());
+  DeviceBuffer d_q = to_device(bytes_of(q_in)), d_p = to_device(bytes_of(p_poison));
+  gpu->lowrank_project(layers, gpu_span(in, d_in), gpu_res, gpu_flags, f32(d_q), f32(d_p));
+  within("lowrank_project", floats_of(from_device(d_p)), p_cpu, true, 1e-5);
+
+  // orthonormalize the CPU's P on both sides.
+  DeviceBuffer d_p2 = to_device(bytes_of(p_cpu));
+  cpu.lowrank_orthonormalize(layers, p_cpu.data());
+  gpu->lowrank_orthonormalize(layers, f32(d_p2));
+  within("lowrank_orthonormalize", floats_of(from_device(d_p2)), p_cpu, true, 1e-6);
+
+  // back_project from the same P: Q' within cuBLAS's tolerance; the residual of an
+  // unflagged layer within 1e-5 ||M|| (each side subtracts its own Q'), of a flagged layer
+  // and of the gaps bit for bit untouched.
+  std::vector<float> q_cpu(q_floats);
+  std::vector<float> res_cpu = residual;
+  DeviceBuffer d_p3 = to_device(bytes_of(p_cpu)), d_q2 = to_device(std::vector<uint8_t>(q_floats * 4, kPoison));
+  cpu.lowrank_back_project(layers, cpu_span(in), with_residual ? res_cpu.data() : nullptr, cpu_flags, p_cpu.data(),
+                           q_cpu.data());
+  gpu->lowrank_back_project(layers, gpu_span(in, d_in), gpu_res, gpu_flags, f32(d_p3), f32(d_q2));
+  within("lowrank_back_project", floats_of(from_device(d_q2)), q_cpu, false, 1e-5);
+  if (with_residual) {
+    const std::vector<float> res_gpu = floats_of(from_device(d_res));
+    std::vector<uint8_t> in_layer(count, 0);
+    double worst = 0;
+    for (const LowRankLayer& l : layers) {
+      for (uint64_t i = l.offset; i < l.offset + l.rows * l.cols; ++i) in_layer[i] = flags[l.layer] ? 0 : 1;
+      double m2 = 0, d2 = 0;
+      for (uint64_t i = l.offset; i < l.offset + l.rows * l.cols; ++i) {
+        const double m = load_as_float(in.host.data(), dtype, i) + static_cast<double>(residual[i]);
+        m2 += m * m;
+        d2 += (static_cast<double>(res_gpu[i]) - res_cpu[i]) * (static_cast<double>(res_gpu[i]) - res_cpu[i]);
+      }
+      if (!flags[l.layer] && m2 > 0) worst = std::max(worst, std::sqrt(d2 / m2));
+    }
+    uint64_t moved = 0;
+    for (uint64_t i = 0; i < count; ++i)
+      if (!in_layer[i] && memcmp(&res_gpu[i], &res_cpu[i], 4) != 0) ++moved;
+    r.check(worst <= 1e-5, "lowrank residual", strf("%s: residual off by %.3g x ||M||", name.c_str(), worst));
+    r.check(moved == 0, "lowrank residual",
+            strf("%s: %llu residual values outside unflagged layers changed", name.c_str(), static_cast<ull>(moved)));
+    r.note("lowrank residual", strf("worst %.1e", worst));
+  }
+
+  // reconstruct from the same P and Q': bit for bit, gaps poisoned and untouched.
+  const float scale = pick<float>(rng, {1.0f, 0.25f, 1.0f / 3.0f});
+  const DType out_dtype = kDTypes[below(rng, 3)];
+  Span out_cpu{0, count, out_dtype, std::vector<uint8_t>(count * dtype_size(out_dtype), kPoison)};
+  DeviceBuffer d_out = to_device(out_cpu.host), d_p4 = to_device(bytes_of(p_cpu)), d_q3 = to_device(bytes_of(q_cpu));
+  cpu.lowrank_reconstruct(layers, p_cpu.data(), q_cpu.data(), scale, cpu_span(out_cpu));
+  gpu->lowrank_reconstruct(layers, f32(d_p4), f32(d_q3), scale, gpu_span(out_cpu, d_out));
+  {
+    const Compared k = compare(out_cpu.host, from_device(d_out), dtype_size(out_dtype));
+    r.check(k.differing == 0, "lowrank_reconstruct",
+            strf("%s; scale %g, output %s: %llu elements differ, first %s", name.c_str(), scale, dtype_name(out_dtype),
+                 static_cast<ull>(k.differing), k.first.c_str()));
+  }
+
+  // keep: Q' with a zero column and a NaN column restarts them from Q0, bit for bit.
+  std::vector<float> q_new = q_cpu, q0 = normal_floats(rng, q_floats), q_kept(q_floats, -7.0f);
+  for (const LowRankLayer& l : layers) {
+    const uint32_t c = static_cast<uint32_t>(below(rng, l.rank));
+    const bool nan = chance(rng, 0.5);
+    if (chance(rng, 0.6))
+      for (uint64_t j = 0; j < l.cols; ++j)
+        q_new[l.q_offset + j * l.rank + c] = nan && j == l.cols / 2 ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
+  }
+  DeviceBuffer d_qn = to_device(bytes_of(q_new)), d_q0 = to_device(bytes_of(q0)), d_qk = to_device(bytes_of(q_kept));
+  cpu.lowrank_keep(layers, q_new.data(), q0.data(), q_kept.data());
+  gpu->lowrank_keep(layers, f32(d_qn), f32(d_q0), f32(d_qk));
+  {
+    const Compared k = compare(bytes_of(q_kept), from_device(d_qk), 4);
+    r.check(k.differing == 0, "lowrank_keep",
+            strf("%s: %llu values differ, first %s", name.c_str(), static_cast<ull>(k.differing), k.first.c_str()));
+  }
+
+  // measure_lowrank: the PowerSGD columns of a mixed candidate list (the others untouched),
+  // layers measured at random; |gpu - cpu| <= 1e-5 x weight x ||M||^2 per layer and rank.
+  const std::vector<CodecSpec> candidates = {CodecSpec::parse("quant:bits=4"), CodecSpec::parse("powersgd:rank=1"),
+                                             CodecSpec::parse("topk:density=0.01"), CodecSpec::parse("powersgd:rank=3"),
+                                             CodecSpec::parse("powersgd:rank=8")};
+  const std::vector<uint8_t> mask = {0, 1, 0, 1, 1};
+  std::vector<uint8_t> measured(bucket_layers);
+  for (auto& m : measured) m = chance(rng, 0.8);
+  std::vector<double> squared(bucket_layers * candidates.size());
+  for (double& v : squared) v = std::uniform_real_distribution<double>(0.0, 2.0)(rng);
+  std::vector<uint8_t> nonfinite(bucket_layers, 0);
+  const std::vector<double> before = squared;
+  const double weight = pick<double>(rng, {1.0, 1.0 / 16});
+  const NoiseBase key{rng(), 0, rng(), static_cast<uint32_t>(below(rng, 1000))};
+  DeviceBuffer d_sq = to_device(bytes_of(squared)), d_nf = to_device(nonfinite);
+  cpu.measure_lowrank(layers, cpu_span(in), cpu_res, key,
+                      collective::Backend::Measure{candidates, measured, squared.data(), nonfinite.data(), weight, mask});
+  gpu->measure_lowrank(layers, gpu_span(in, d_in), gpu_res, key,
+                       collective::Backend::Measure{candidates, measured, reinterpret_cast<double*>(d_sq.get()),
+                                                    d_nf.get(), weight, mask});
+  {
+    std::vector<double> got(squared.size());
+    memcpy(got.data(), from_device(d_sq).data(), got.size() * 8);
+    uint64_t bad = 0;
+    std::string first;
+    double worst = 0;
+    for (uint32_t l = 0; l < bucket_layers; ++l) {
+      const auto it = std::find_if(layers.begin(), layers.end(), [&](const LowRankLayer& x) { return x.layer == l; });
+      double m2 = 0;
+      if (it != layers.end())
+        for (uint64_t i = it->offset; i < it->offset + it->rows * it->cols; ++i) {
+          const double m = load_as_float(in.host.data(), dtype, i) + (with_residual ? residual[i] : 0.0);
+          m2 += m * m;
+        }
+      for (size_t k = 0; k < candidates.size(); ++k) {
+        const size_t i = l * candidates.size() + k;
+        const bool exact = it == layers.end() || !measured[l] || !mask[k];
+        const double diff = std::fabs(got[i] - squared[i]);
+        const bool ok = exact ? memcmp(&got[i], &squared[i], 8) == 0 && got[i] == before[i]
+                              : diff <= 1e-5 * weight * m2 + 1e-12 * std::fabs(before[i]);
+        if (!exact && m2 > 0) worst = std::max(worst, diff / (weight * m2));
+        if (!ok && bad++ == 0)
+          first = strf("layer %u %s: cpu %.9g, gpu %.9g", l, candidates[k].str().c_str(), squared[i], got[i]);
+      }
+    }
+    r.check(bad == 0, "measure_lowrank", strf("%s: %llu values out of tolerance, first %s", name.c_str(),
+                                               static_cast<ull>(bad), first.c_str()));
+    r.note("measure_lowrank", strf("worst %.1e ||M||^2", worst));
+    const Compared k = compare(nonfinite, from_device(d_nf), 1);
+    r.check(k.differing == 0, "measure_lowrank", name + ": nonfinite flags differ: " + k.first);
+  }
+  r.check(gpu->device_bytes() == prepared, "prepare_lowrank",
+          strf("%s: the operations after prepare_lowrank changed device_bytes from %llu to %llu", name.c_str(),
+               static_cast<ull>(prepared), static_cast<ull>(gpu->device_bytes())));
 }
 
 // divide and narrow over flat arrays, starting at an odd element (no 16-byte alignment).
@@ -944,7 +1226,7 @@ void check_cap(Report& r, int device) {
     LGRECO_CUDA_CHECK(cudaMemset(nf.get(), 0, nf.size()));
     LGRECO_CUDA_CHECK(cudaDeviceSynchronize());
     const std::vector<uint8_t> measured{1};
-    const collective::Backend::Measure m{layer.candidates, measured, reinterpret_cast<double*>(sq.get()), nf.get(), 1.0};
+    const collective::Backend::Measure m{layer.candidates, measured, reinterpret_cast<double*>(sq.get()), nf.get(), 1.0, {}};
     r.check(throws_bad_alloc([&] { gpu->prepare_measure(plan, layer.candidates); }), "memory cap",
             "prepare_measure whose statistics scratch passes the cap did not throw std::bad_alloc");
     r.check(throws_bad_alloc([&] {
@@ -1072,6 +1354,15 @@ int run_check(const Options& o) {
           r.fail(row, strf("%s threw: %s", t.name.c_str(), e.what()));
           if (cudaGetLastError() != cudaSuccess) throw;
         }
+      }
+      stage = strf("low rank %d", i);
+      try {
+        check_lowrank(r, cpu, o.device, stream.get(), rng, i);
+      } catch (const CudaFailure&) {
+        throw;
+      } catch (const std::exception& e) {
+        r.fail("lowrank", strf("low rank %d threw: %s", i, e.what()));
+        if (cudaGetLastError() != cudaSuccess) throw;
       }
       stage = "divide, narrow, memory operations";
       check_divide(c);

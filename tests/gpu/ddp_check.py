@@ -17,6 +17,10 @@ Run by tests/gpu/run.sh shim on the GPU machine. Steps:
       adaptive  LD_PRELOAD, LGRECO_MODE=adaptive with a short schedule
                 (LGRECO_WARMUP=20 LGRECO_PERIOD=50 LGRECO_WINDOW=5 LGRECO_SWITCH_LAG=3:
                 assignment epochs from step ~25, every 50 steps) and LGRECO_DECISION_LOG
+      families  (the first world size only) as adaptive, with LGRECO_CANDIDATES naming
+                quantization, TopK and PowerSGD: the CUDA backend's TopK and PowerSGD
+                paths (cuBLAS) in a real DDP job; the table's last column counts the
+                layers of each family in the last assignment epoch
     both compressed runs with LGRECO_REGISTRATION=the file of step 1, LGRECO_DEBUG=INFO
     and LGRECO_DEBUG_FILE=DIR/ddp-N-RUN.rank<R>.lgreco.log.
  3. Verdicts. Every run: all ranks exit 0 and end with identical parameters. Compressed
@@ -24,8 +28,9 @@ Run by tests/gpu/run.sh shim on the GPU machine. Steps:
     plain's, and the shim's per-communicator line in the logs,
       lgreco shim: rank R/N: A allreduce calls, C compressed, P passed through;
       compressed calls: U gradient bytes, W bytes sent by this rank (plain ring allreduce: S)
-    with C > 0 (bytes ratio = sum of S / sum of W over ranks). Adaptive: rank 0's
-    decision log holds at least one assignment epoch (docs/CONTROLLER.md).
+    with C > 0 (bytes ratio = sum of S / sum of W over ranks). Adaptive and families:
+    rank 0's decision log holds at least one assignment epoch (docs/CONTROLLER.md), the
+    same on every rank.
 
 Prints `RESULT: NAME PASS|FAIL|SKIP detail` per run, then the table (also written to
 --table); exit 1 if any run failed. --device cpu runs the same on the CPU with gloo (no
@@ -52,6 +57,10 @@ SHIM_LINE = re.compile(
 ACCURACY_POINTS = 1.5
 LOSS_RELATIVE = 0.20
 SCHEDULE = {"LGRECO_WARMUP": "20", "LGRECO_PERIOD": "50", "LGRECO_WINDOW": "5", "LGRECO_SWITCH_LAG": "3"}
+# Candidates of all three families around the default quant:bits=4.
+FAMILIES = ";".join(["quant:bits=%d" % b for b in (2, 3, 4, 5, 6, 8)] +
+                    ["topk:density=%s" % d for d in ("0.01", "0.05", "0.2")] +
+                    ["powersgd:rank=%d" % r for r in (2, 4, 8)])
 NCCL_ONE_GPU = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_NET": "Socket", "NCCL_SOCKET_IFNAME": "lo"}
 
 
@@ -130,6 +139,15 @@ def shim_lines(paths):
     return found
 
 
+def family_counts(codecs):
+    """'n2 p3 q7 t2': how many layers of an epoch use each family (none, powersgd, quant, topk)."""
+    counts = {}
+    for c in codecs:
+        f = (c or "?").split(":")[0]
+        counts[f] = counts.get(f, 0) + 1
+    return " ".join("%s%d" % (f[0], counts[f]) for f in sorted(counts))
+
+
 def decision_epochs(path):
     """Assignment epochs in a decision log: (number of lines with an epoch, their layers' codecs)."""
     epochs = []
@@ -195,10 +213,12 @@ def main():
     preload = {"LD_PRELOAD": lib, "LGRECO_REGISTRATION": reg, "LGRECO_DEBUG": "INFO"}
     runs = [("plain", {}),
             ("uniform", dict(preload, LGRECO_MODE="uniform", LGRECO_CODEC="quant:bits=4")),
-            ("adaptive", dict(preload, LGRECO_MODE="adaptive", **SCHEDULE))]
-    # Seconds a world size needs for its three runs on the H200 (importing torch and
-    # setting up NCCL take most of it), and the most one run may take.
-    need, cap = {2: 100, 4: 150}, {2: 120, 4: 150}
+            ("adaptive", dict(preload, LGRECO_MODE="adaptive", **SCHEDULE)),
+            ("families", dict(preload, LGRECO_MODE="adaptive", LGRECO_CODEC="quant:bits=4",
+                              LGRECO_CANDIDATES=FAMILIES, **SCHEDULE))]
+    # Seconds a world size needs for its runs on the H200 (importing torch and setting up
+    # NCCL take most of it), and the most one run may take.
+    need, cap = {2: 135, 4: 150}, {2: 120, 4: 150}
     sizes = [int(x) for x in args.ranks.split(",") if x]
     for ranks in sizes:
         if deadline.left() < need.get(ranks, 200):
@@ -206,11 +226,13 @@ def main():
             continue
         base = None
         for run, env in runs:
+            if run == "families" and ranks != sizes[0]:
+                continue
             name = "ddp-%d-%s" % (ranks, run)
             env = dict(env)
             if run != "plain":
                 env["LGRECO_DEBUG_FILE"] = os.path.join(args.out, name + ".rank{rank}.lgreco.log")
-            if run == "adaptive":
+            if run in ("adaptive", "families"):
                 env["LGRECO_DECISION_LOG"] = os.path.join(args.out, name + ".decisions.r%r.jsonl")
             for r in range(ranks):  # both files are appended to
                 for f in (name + ".rank%d.lgreco.log" % r, name + ".decisions.r%d.jsonl" % r):
@@ -237,8 +259,9 @@ def main():
             epochs = decision_epochs(os.path.join(args.out, name + ".decisions.r0.jsonl"))
             table.append((name, "%.2f" % out["test_accuracy"] if out else "-", "%.4f" % out["final_loss"] if out else "-",
                           str(sum(l["compressed"] for l in mine)) if run != "plain" else "-",
-                          ratio if run != "plain" else "-", str(len(epochs)) if run == "adaptive" else "-",
-                          verdict))
+                          ratio if run != "plain" else "-",
+                          str(len(epochs)) if run in ("adaptive", "families") else "-",
+                          family_counts(epochs[-1][1]) if run == "families" and epochs else "-", verdict))
             result(name, verdict, "%s (%.0f s)" % (why, seconds))
     return finish(args, results, table)
 
@@ -279,7 +302,7 @@ def check_run(args, name, run, ranks, codes, base):
             problems.append("no call was compressed")
         if {l["rank"] for l in lines} != set(range(ranks)):
             problems.append("shim lines from ranks %s only" % sorted({l["rank"] for l in lines}))
-    if run == "adaptive":
+    if run in ("adaptive", "families"):
         per_rank = [decision_epochs(os.path.join(args.out, name + ".decisions.r%d.jsonl" % r)) for r in range(ranks)]
         why.append("%d assignment epochs%s" % (len(per_rank[0]), "" if all(p == per_rank[0] for p in per_rank)
                                                 else ", decision logs differ between ranks"))
@@ -293,9 +316,9 @@ def check_run(args, name, run, ranks, codes, base):
 def finish(args, results, table):
     lines = ["== DDP under LD_PRELOAD (tests/gpu/ddp_train.py, %d steps; compressed runs: accuracy within %.1f points,"
              " loss within %.0f%% of plain's) ==" % (args.steps, ACCURACY_POINTS, 100 * LOSS_RELATIVE),
-             "%-18s %9s %9s %11s %11s %7s %s" % ("run", "accuracy", "loss", "compressed", "bytes_ratio", "epochs",
-                                                   "verdict")]
-    lines += ["%-18s %9s %9s %11s %11s %7s %s" % row for row in table]
+             "%-18s %9s %9s %11s %11s %7s %-12s %s" % ("run", "accuracy", "loss", "compressed", "bytes_ratio",
+                                                         "epochs", "families", "verdict")]
+    lines += ["%-18s %9s %9s %11s %11s %7s %-12s %s" % row for row in table]
     text = "\n".join(lines) + "\n"
     if args.table:
         with open(args.table, "w") as f:
