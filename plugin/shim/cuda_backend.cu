@@ -434,8 +434,9 @@ CodecFamily family_of(const Plan& plan, const Segment& s) { return plan.codecs.a
 // A segment whose codec is exchanged by other operations than encode/decode (PowerSGD's
 // layers go through the lowrank_* operations): the engine's mistake, never the data's.
 [[noreturn]] void not_a_segment_codec(const Plan& plan, const Segment& s, const char* op) {
-  throw std::logic_error(std::string("lgreco: cuda backend ") + op + ": layer " + std::to_string(s.layer) + "'s codec " +
-                         plan.codecs.at(s.codec).str() + " is not encoded by segments (the low-rank operations run it)");
+  throw std::logic_error(std::string("lgreco: cuda backend ") + op + ": layer " + std::to_string(s.layer) +
+                         "'s codec " + plan.codecs.at(s.codec).str() +
+                         " is not encoded by segments (the low-rank operations run it)");
 }
 
 tk::Job topk_job(const Plan& plan, const Segment& s, uint64_t byte_offset_base) {
@@ -446,6 +447,38 @@ tk::Job topk_job(const Plan& plan, const Segment& s, uint64_t byte_offset_base) 
   job.layer = s.layer;
   job.params = plan.codecs[s.codec].topk_params();
   return job;
+}
+
+// The fields the quant and TopK kernels' batches share (same names in both families).
+template <class Batch, class Job, class Residual>
+Batch batch_over(const std::vector<Job>& jobs, ElementSpan input, Residual* residual, uint64_t residual_first) {
+  Batch b;
+  b.jobs = jobs;
+  b.input = input.data;
+  b.input_dtype = input.dtype;
+  b.input_first = input.first;
+  b.residual = residual;
+  b.residual_first = residual_first;
+  return b;
+}
+template <class Batch, class Job>
+Batch encode_batch(const std::vector<Job>& jobs, ElementSpan input, float* residual, uint64_t residual_first,
+                   const uint8_t* flags, uint8_t* out) {
+  Batch b = batch_over<Batch>(jobs, input, residual, residual_first);
+  b.skip_residual = flags;
+  b.payload = out;
+  return b;
+}
+template <class Batch, class Job>
+Batch stats_batch(const std::vector<Job>& jobs, ElementSpan input, const float* residual, uint64_t residual_first,
+                  const collective::Backend::Measure& m, void* scratch, uint64_t scratch_bytes) {
+  Batch b = batch_over<Batch>(jobs, input, residual, residual_first);
+  b.squared = m.squared;
+  b.nonfinite = m.nonfinite;
+  b.weight = m.weight;
+  b.scratch = scratch;
+  b.scratch_bytes = scratch_bytes;
+  return b;
 }
 
 // A job of the TopK statistics: any segment (its own codec does not matter; the
@@ -781,28 +814,12 @@ void CudaBackend::encode(const Plan& plan, std::span<const Segment> segments, El
   sort_segments(plan, segments, byte_offset_base, "encode");
   DeviceGuard guard(device_);
   if (!quant_jobs_.empty()) {
-    qc::EncodeBatch batch;
-    batch.jobs = quant_jobs_;
-    batch.input = input.data;
-    batch.input_dtype = input.dtype;
-    batch.input_first = input.first;
-    batch.residual = residual_data;
-    batch.residual_first = residual_first;
-    batch.skip_residual = flags;
-    batch.payload = out;
+    auto batch = encode_batch<qc::EncodeBatch>(quant_jobs_, input, residual_data, residual_first, flags, out);
     batch.noise = NoiseKey{noise.seed, noise.rank, noise.step, noise.layer_base};
     qc::encode(batch, stream_);
   }
   if (!topk_jobs_.empty()) {
-    tk::EncodeBatch batch;
-    batch.jobs = topk_jobs_;
-    batch.input = input.data;
-    batch.input_dtype = input.dtype;
-    batch.input_first = input.first;
-    batch.residual = residual_data;
-    batch.residual_first = residual_first;
-    batch.skip_residual = flags;
-    batch.payload = out;
+    auto batch = encode_batch<tk::EncodeBatch>(topk_jobs_, input, residual_data, residual_first, flags, out);
     batch.scratch_bytes = tk::encode_scratch_bytes(topk_jobs_);
     batch.scratch = scratch_for(batch.scratch_bytes, "encode (TopK selection)");
     tk::encode(batch, stream_);
@@ -904,12 +921,12 @@ void CudaBackend::grow_scratch(uint64_t bytes) {
     void* old = std::exchange(scratch_, nullptr);
     shared_->free_device(old, std::exchange(scratch_bytes_, 0));
   }
-  reserve(bytes, "device (statistics scratch)");
+  reserve(bytes, "device (kernels' scratch)");
   scratch_ = device_malloc(*shared_, bytes, stream_,
-                           shared_->pools ? "cudaMallocFromPoolAsync (statistics scratch)" : "cudaMalloc (statistics scratch)");
+                           shared_->pools ? "cudaMallocFromPoolAsync (kernels' scratch)" : "cudaMalloc (kernels' scratch)");
   scratch_bytes_ = bytes;
   shared_->device_bytes += bytes;
-  enqueued("allocating the statistics scratch");
+  enqueued("allocating the kernels' scratch");
 }
 
 void* CudaBackend::scratch_for(uint64_t need, const char* what) {
@@ -919,7 +936,8 @@ void* CudaBackend::scratch_for(uint64_t need, const char* what) {
     // (stream-ordered) rather than refused, for a caller that skipped it.
     LGRECO_WARN_ONCE("SHIM", "an operation grows the kernels' scratch",
                      "%s needed %llu bytes of scratch on CUDA device %d where %llu were prepared: prepare_measure, "
-                     "prepare_encode or prepare_lowrank was not called for it (this should not happen); growing it here",
+                     "prepare_encode or prepare_lowrank was not called for it (this should not happen); growing it "
+                     "here",
                      what, static_cast<unsigned long long>(need), device_,
                      static_cast<unsigned long long>(scratch_bytes_));
     grow_scratch(need);
@@ -1067,39 +1085,17 @@ void CudaBackend::measure(const Plan&, std::span<const Segment> segments, Elemen
   DeviceGuard guard(device_);
   void* scratch = scratch_for(need, "measure");
   if (!quant_jobs_.empty()) {
-    qc::StatsBatch batch;
-    batch.jobs = quant_jobs_;
+    auto batch = stats_batch<qc::StatsBatch>(quant_jobs_, input, residual, residual_first, m, scratch, scratch_bytes_);
     batch.candidates = quant_candidates_;
-    batch.input = input.data;
-    batch.input_dtype = input.dtype;
-    batch.input_first = input.first;
-    batch.residual = residual;
-    batch.residual_first = residual_first;
-    batch.squared = m.squared;
     batch.columns = quant_columns_;
     batch.row_stride = row_stride;
-    batch.nonfinite = m.nonfinite;
-    batch.weight = m.weight;
-    batch.scratch = scratch;
-    batch.scratch_bytes = scratch_bytes_;
     qc::squared_errors(batch, stream_);
   }
   if (!topk_jobs_.empty()) {
-    tk::StatsBatch batch;
-    batch.jobs = topk_jobs_;
+    auto batch = stats_batch<tk::StatsBatch>(topk_jobs_, input, residual, residual_first, m, scratch, scratch_bytes_);
     batch.candidates = topk_candidates_;
     batch.columns = topk_columns_;
     batch.row_stride = row_stride;
-    batch.input = input.data;
-    batch.input_dtype = input.dtype;
-    batch.input_first = input.first;
-    batch.residual = residual;
-    batch.residual_first = residual_first;
-    batch.squared = m.squared;
-    batch.nonfinite = m.nonfinite;
-    batch.weight = m.weight;
-    batch.scratch = scratch;
-    batch.scratch_bytes = scratch_bytes_;
     tk::squared_errors(batch, stream_);
   }
   enqueued("measure");
@@ -1111,7 +1107,8 @@ void CudaBackend::measure(const Plan&, std::span<const Segment> segments, Elemen
 std::span<const lc::Layer> CudaBackend::lowrank_layers(std::span<const LowRankLayer> layers, uint32_t rank) {
   lowrank_layers_.clear();
   for (const LowRankLayer& l : layers)
-    lowrank_layers_.push_back(lc::Layer{l.layer, l.offset, l.rows, l.cols, rank ? rank : l.rank, l.p_offset, l.q_offset});
+    lowrank_layers_.push_back(
+        lc::Layer{l.layer, l.offset, l.rows, l.cols, rank ? rank : l.rank, l.p_offset, l.q_offset});
   return lowrank_layers_;
 }
 

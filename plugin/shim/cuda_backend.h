@@ -18,7 +18,7 @@
 // it too. Cost: one cudaEventRecord (about 1-2 us of host time, no device work to speak
 // of) per operation, some 10 to 20 per compressed call, against milliseconds of
 // collective; cheaper schemes (recording only after writes of residuals) would miss
-// write-after-read hazards (a staging buffer or the statistics' scratch overwritten by the
+// write-after-read hazards (a staging buffer or the kernels' scratch overwritten by the
 // next call on another stream while the last one still reads it). What the fabric
 // enqueues after the backend's last operation of a call is not covered; in the engine a
 // call always ends with a backend operation (decode, narrow, read_back or a mark).
@@ -102,7 +102,7 @@ class CudaBackend final : public StreamBackend {
                         const uint8_t* flags, collective::ElementSpan acc) override;
   void divide(float* acc, uint64_t n, float divisor) override;
   void narrow(const float* acc, uint64_t n, collective::ElementSpan out) override;
-  // prepare_measure grows the statistics' scratch (device memory the backend owns,
+  // prepare_measure grows the kernels' scratch (device memory the backend owns,
   // counted in device_bytes and the cap) to what measure() could need on ANY segments of
   // the plan with these candidates, so that measure() allocates nothing; throws
   // std::bad_alloc like allocate (and CodecError on candidates the kernels cannot
