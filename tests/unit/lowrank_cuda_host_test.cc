@@ -398,6 +398,18 @@ BOOST_AUTO_TEST_CASE(without_cuda_valid_calls_say_so) {
         cuda_error([&] { (void)Handle::create(g_scratch, sizeof g_scratch); })}) {
     BOOST_TEST_CONTEXT("message: " << m) { BOOST_TEST(test::contains(m, "no CUDA kernels")); }
   }
+  // The CUDA backend asks this before offering PowerSGD (plugin/shim/cuda_backend.h).
+  BOOST_TEST(test::contains(cublas_problem(), "no CUDA kernels"), cublas_problem());
+}
+
+// In a CUDA build, cublas_problem() is "" exactly when Handle::create can get past loading
+// cuBLAS: a failure to load must name what was tried, not pass silently.
+BOOST_AUTO_TEST_CASE(cublas_problem_names_what_could_not_be_loaded) {
+  if (!available()) return;  // the build without CUDA: the case above
+  const std::string why = cublas_problem();
+  BOOST_TEST_INFO("cublas_problem(): " << why);
+  BOOST_TEST((why.empty() || test::contains(why, "libcublas.so") || test::contains(why, "has no ")));
+  BOOST_TEST(cublas_problem() == why);  // loaded once per process, the answer does not change
 }
 
 BOOST_AUTO_TEST_SUITE_END()
