@@ -171,86 +171,119 @@ step_time() {
   echo "$left"
 }
 
-section_codec() {
-  local bin=build/bin/lgreco-gpu-codec-check cuda rc detail r t
-  codec_deadline=$((SECONDS + ${LGRECO_GPU_CODEC_SECONDS:-540}))
+# The steps the check programs' sections share. Each takes the section's deadline and
+# writes $OUT/NAME-<step>.log; a step that cannot go on returns 1 (the section stops).
+#
+# build_step SECTION BIN NAME CAP DEADLINE [MORE TARGETS...]: make BIN (and what it
+# links) for this GPU. nvcc compiles the kernels' three -gencode targets one after the
+# other unless told otherwise; --threads 0 runs them in parallel (the longest step of a
+# cold build).
+build_step() {
+  local section=$1 bin=$2 name=$3 cap=$4 deadline=$5 cuda rc detail t
+  shift 5
   cuda=$(cuda_home)
   if [[ ! -x "$cuda/bin/nvcc" ]]; then
-    row codec "build lgreco-gpu-codec-check" FAIL "no nvcc ($cuda/bin/nvcc, PATH): set CUDA_HOME"; failed=1; return
+    row "$section" "build ${bin##*/}" FAIL "no nvcc ($cuda/bin/nvcc, PATH): set CUDA_HOME"; failed=1; return 1
   fi
-  # Only this program and the core library it links. nvcc compiles the kernels' three
-  # -gencode targets one after the other unless told otherwise; --threads 0 runs them in
-  # parallel (the longest step of a cold build).
-  t=$(step_time 360)
+  t=$(step_time "$cap" "$deadline")
   NVCC_APPEND_FLAGS="${NVCC_APPEND_FLAGS:+$NVCC_APPEND_FLAGS }--threads 0" \
-    timeout "$t" make -j"$JOBS" "$bin" CUDA_HOME="$cuda" PYTHON="$PY" > "$OUT/codec-build.log" 2>&1
+    timeout "$t" make -j"$JOBS" "$bin" "$@" CUDA_HOME="$cuda" PYTHON="$PY" > "$OUT/$name-build.log" 2>&1
   rc=$?
   if [[ $rc -ne 0 || ! -x "$bin" ]]; then
-    detail=$(grep -m 1 -E 'error|No rule' "$OUT/codec-build.log" | cut -c1-100)
-    detail="exit $rc: ${detail:-$(last_line "$OUT/codec-build.log")}"
+    detail=$(grep -m 1 -E 'error|No rule' "$OUT/$name-build.log" | cut -c1-100)
+    detail="exit $rc: ${detail:-$(last_line "$OUT/$name-build.log")}"
     [[ $rc -eq 124 ]] && detail="timed out after $t s"
-    row codec "build lgreco-gpu-codec-check" FAIL "$detail (codec-build.log)"; failed=1; return
+    row "$section" "build ${bin##*/}" FAIL "$detail ($name-build.log)"; failed=1; return 1
   fi
-  row codec "build lgreco-gpu-codec-check" PASS "CUDA at $cuda"
+  row "$section" "build ${bin##*/}" PASS "CUDA at $cuda"
+}
 
-  # Parity with the CPU reference. Exit 2 is "no CUDA device", 3 its own time limit.
-  # --verbose: the log lists each statistic that needed float32's resolution allowance.
-  t=$(step_time 150)
-  if [[ $t -eq 0 ]]; then row codec "--check" FAIL "skipped: the section ran out of time"; failed=1; return; fi
-  timeout "$t" "$bin" --check --verbose --time-limit $((t - 10)) > "$OUT/codec-check.log" 2>&1
+# check_step SECTION LABEL BIN NAME CAP DEADLINE [ARGS...]: BIN --check ARGS against the
+# CPU reference, with its own --time-limit inside the step's. The row is its SUMMARY line
+# (exit 2 is "no CUDA device", 3 its time limit), then up to six of its '# failed:' lines.
+check_step() {
+  local section=$1 label=$2 bin=$3 name=$4 cap=$5 deadline=$6 rc detail r t line log
+  shift 6
+  log="$OUT/$name-check.log"
+  t=$(step_time "$cap" "$deadline")
+  if [[ $t -eq 0 ]]; then row "$section" "$label" FAIL "skipped: the section ran out of time"; failed=1; return 1; fi
+  timeout "$t" "$bin" --check "$@" --time-limit $((t - 10)) > "$log" 2>&1
   rc=$?
-  detail=$(grep -E '^SUMMARY: ' "$OUT/codec-check.log" | tail -n 1 | cut -c10-)
-  [[ -z "$detail" ]] && detail="exit $rc: $(last_line "$OUT/codec-check.log")"
-  [[ $rc -eq 124 ]] && detail="timed out after $t s; $(last_line "$OUT/codec-check.log")"
+  detail=$(grep -E '^SUMMARY: ' "$log" | tail -n 1 | cut -c10-)
+  [[ -z "$detail" ]] && detail="exit $rc: $(last_line "$log")"
+  [[ $rc -eq 124 ]] && detail="timed out after $t s; $(last_line "$log")"
   r=PASS; [[ $rc -eq 0 ]] || r=FAIL
-  row codec "--check" "$r" "$detail (codec-check.log)"
+  row "$section" "$label" "$r" "$(cut -c1-300 <<< "$detail") (${log##*/})"
   fail_if "$r"
-  local line
   while IFS= read -r line; do
-    row codec "  failed" FAIL "$(cut -c1-150 <<< "${line#\# failed: }")"
-  done < <(grep -E '^# failed: ' "$OUT/codec-check.log" | head -n 6)
+    row "$section" "  failed" FAIL "$(cut -c1-150 <<< "${line#\# failed: }")"
+  done < <(grep -E '^# failed: ' "$log" | head -n 6)
+}
 
-  # One compute-sanitizer memcheck pass over the smaller set, if the tool is here and can
-  # run a trivial CUDA program (--info: one allocation, one copy, one launch).
-  local cs="" c
+# memcheck_step SECTION LABEL BIN NAME DEADLINE [TRIVIAL]: one compute-sanitizer memcheck
+# pass of BIN --check --quick, if the tool is here, works on a trivial CUDA program
+# (TRIVIAL --info, default BIN --info: one allocation, one copy, one launch) and time is
+# left. Memory errors decide the row: FAIL on the sanitizer's exit 99 or an ERROR SUMMARY
+# that counts any (or none printed); a run cut short by the time limit with none reported
+# is INFO (the sanitizer slows everything tenfold), as is a --check that fails under it
+# (the --check row above reports that); else PASS.
+memcheck_step() {
+  local section=$1 label=$2 bin=$3 name=$4 deadline=$5 trivial=${6:-$3} cs="" c cuda rc t errors result r detail log
+  cuda=$(cuda_home)
   for c in "$(command -v compute-sanitizer 2>/dev/null)" "$cuda/bin/compute-sanitizer" \
            "$cuda/compute-sanitizer/compute-sanitizer"; do
     if [[ -n "$c" && -x "$c" ]]; then cs=$c; break; fi
   done
-  t=$(step_time 60)
+  t=$(step_time 60 "$deadline")
   if [[ -z "$cs" ]]; then
-    row codec "compute-sanitizer memcheck" INFO "skipped: compute-sanitizer not found (PATH, $cuda/bin, $cuda/compute-sanitizer)"
+    row "$section" "$label" INFO "skipped: compute-sanitizer not found (PATH, $cuda/bin, $cuda/compute-sanitizer)"
+    return
   elif [[ $t -eq 0 ]]; then
-    row codec "compute-sanitizer memcheck" INFO "skipped: the section ran out of time"
-  else
-    timeout "$t" "$cs" --tool memcheck --error-exitcode 99 "$bin" --info > "$OUT/codec-sanitizer-trivial.log" 2>&1
-    rc=$?
-    t=$(step_time 240)
-    if [[ $rc -ne 0 ]]; then
-      row codec "compute-sanitizer memcheck" INFO \
-        "skipped: it fails on a trivial run (--info, exit $rc): $(last_line "$OUT/codec-sanitizer-trivial.log")"
-    elif [[ $t -eq 0 ]]; then
-      row codec "compute-sanitizer memcheck" INFO "skipped: the section ran out of time"
-    else
-      timeout "$t" "$cs" --tool memcheck --error-exitcode 99 --print-limit 20 \
-        "$bin" --check --quick --time-limit $((t - 10)) > "$OUT/codec-memcheck.log" 2>&1
-      rc=$?
-      local errors result
-      errors=$(grep -E 'ERROR SUMMARY' "$OUT/codec-memcheck.log" | tail -n 1 | sed 's/^[= ]*//')
-      result=$(grep -E '^RESULT: ' "$OUT/codec-memcheck.log" | tail -n 1)
-      # Memory errors decide this row (exit 99, or a summary that counts any); the checks'
-      # own results under the sanitizer are those of --check above.
-      r=PASS
-      if [[ $rc -eq 99 || $rc -eq 124 || ! "$errors" =~ ERROR\ SUMMARY:\ 0\ errors ]]; then r=FAIL; fi
-      detail="${errors:-no ERROR SUMMARY (exit $rc)}; --check --quick ${result:-exit $rc}"
-      [[ $rc -eq 124 ]] && detail="timed out after $t s; $detail"
-      row codec "memcheck --check --quick" "$r" "$detail (codec-memcheck.log)"
-      fail_if "$r"
-    fi
+    row "$section" "$label" INFO "skipped: the section ran out of time"; return
   fi
+  timeout "$t" "$cs" --tool memcheck --error-exitcode 99 "$trivial" --info > "$OUT/$name-sanitizer-trivial.log" 2>&1
+  rc=$?
+  t=$(step_time 240 "$deadline")
+  if [[ $rc -ne 0 ]]; then
+    row "$section" "$label" INFO \
+      "skipped: it fails on a trivial run (--info, exit $rc): $(last_line "$OUT/$name-sanitizer-trivial.log")"
+    return
+  elif [[ $t -eq 0 ]]; then
+    row "$section" "$label" INFO "skipped: the section ran out of time"; return
+  fi
+  log="$OUT/$name-memcheck.log"
+  timeout "$t" "$cs" --tool memcheck --error-exitcode 99 --print-limit 20 \
+    "$bin" --check --quick --time-limit $((t - 10)) > "$log" 2>&1
+  rc=$?
+  errors=$(grep -E 'ERROR SUMMARY' "$log" | tail -n 1 | sed 's/^[= ]*//')
+  result=$(grep -E '^RESULT: ' "$log" | tail -n 1)
+  detail="${errors:-no ERROR SUMMARY (exit $rc)}; --check --quick ${result:-exit $rc}"
+  if [[ $rc -eq 99 || ( -n "$errors" && ! "$errors" =~ ERROR\ SUMMARY:\ 0\ errors ) ]]; then
+    r=FAIL
+  elif [[ $rc -eq 124 || $rc -eq 3 ]]; then
+    r=INFO; detail="did not finish in $t s under the sanitizer; no memory error reported before"
+  elif [[ -z "$errors" ]]; then
+    r=FAIL
+  elif [[ $rc -eq 0 ]]; then
+    r=PASS
+  else
+    r=INFO
+  fi
+  row "$section" "$label --check --quick" "$r" "$detail (${log##*/})"
+  fail_if "$r"
+}
+
+section_codec() {
+  local bin=build/bin/lgreco-gpu-codec-check rc detail r t
+  codec_deadline=$((SECONDS + ${LGRECO_GPU_CODEC_SECONDS:-540}))
+  # Only this program and the core library it links.
+  build_step codec "$bin" codec 360 "$codec_deadline" || return
+  # --verbose: the log lists each statistic that needed float32's resolution allowance.
+  check_step codec "--check" "$bin" codec 150 "$codec_deadline" --verbose || return
+  memcheck_step codec "memcheck" "$bin" codec "$codec_deadline"
 
   # Throughput; the table comes after the summary.
-  t=$(step_time 120)
+  t=$(step_time 120 "$codec_deadline")
   if [[ $t -eq 0 ]]; then row codec "--bench" FAIL "skipped: the section ran out of time"; failed=1; return; fi
   timeout "$t" "$bin" --bench --time-limit $((t - 10)) > "$OUT/codec-bench.log" 2>&1
   rc=$?
@@ -291,38 +324,10 @@ section_families() {
 # TopK's steps of the families section (a step that cannot go on returns; the next
 # family's steps run anyway).
 section_families_topk() {
-  local bin=build/bin/lgreco-gpu-topk-check cuda rc detail r t line
+  local bin=build/bin/lgreco-gpu-topk-check rc detail t line
   families_deadline=$((SECONDS + ${LGRECO_GPU_FAMILIES_SECONDS:-420}))
-  cuda=$(cuda_home)
-  if [[ ! -x "$cuda/bin/nvcc" ]]; then
-    row families "build lgreco-gpu-topk-check" FAIL "no nvcc ($cuda/bin/nvcc, PATH): set CUDA_HOME"; failed=1; return
-  fi
-  t=$(step_time 300 "$families_deadline")
-  NVCC_APPEND_FLAGS="${NVCC_APPEND_FLAGS:+$NVCC_APPEND_FLAGS }--threads 0" \
-    timeout "$t" make -j"$JOBS" "$bin" CUDA_HOME="$cuda" PYTHON="$PY" > "$OUT/families-build.log" 2>&1
-  rc=$?
-  if [[ $rc -ne 0 || ! -x "$bin" ]]; then
-    detail=$(grep -m 1 -E 'error|No rule' "$OUT/families-build.log" | cut -c1-100)
-    detail="exit $rc: ${detail:-$(last_line "$OUT/families-build.log")}"
-    [[ $rc -eq 124 ]] && detail="timed out after $t s"
-    row families "build lgreco-gpu-topk-check" FAIL "$detail (families-build.log)"; failed=1; return
-  fi
-  row families "build lgreco-gpu-topk-check" PASS "CUDA at $cuda"
-
-  # TopK parity with the CPU reference. Exit 2 is "no CUDA device", 3 its own time limit.
-  t=$(step_time 180 "$families_deadline")
-  if [[ $t -eq 0 ]]; then row families "topk --check" FAIL "skipped: the section ran out of time"; failed=1; return; fi
-  timeout "$t" "$bin" --check --time-limit $((t - 10)) > "$OUT/families-topk-check.log" 2>&1
-  rc=$?
-  detail=$(grep -E '^SUMMARY: ' "$OUT/families-topk-check.log" | tail -n 1 | cut -c10-)
-  [[ -z "$detail" ]] && detail="exit $rc: $(last_line "$OUT/families-topk-check.log")"
-  [[ $rc -eq 124 ]] && detail="timed out after $t s; $(last_line "$OUT/families-topk-check.log")"
-  r=PASS; [[ $rc -eq 0 ]] || r=FAIL
-  row families "topk --check" "$r" "$detail (families-topk-check.log)"
-  fail_if "$r"
-  while IFS= read -r line; do
-    row families "  failed" FAIL "$(cut -c1-150 <<< "${line#\# failed: }")"
-  done < <(grep -E '^# failed: ' "$OUT/families-topk-check.log" | head -n 6)
+  build_step families "$bin" families 300 "$families_deadline" || return
+  check_step families "topk --check" "$bin" families-topk 180 "$families_deadline" || return
 
   # Speed: encode of 1e8 float32 at densities 0.01 and 0.001 (and the other kernels, for
   # information); the target is reported, a miss does not fail the section.
@@ -344,42 +349,7 @@ section_families_topk() {
     row families "topk target: 1e8 f32 1% <= 0.5 ms" INFO "$(cut -c1-200 <<< "$detail")"
   fi
 
-  # One compute-sanitizer memcheck pass of --check --quick, if the tool is here, works on a
-  # trivial run (--info) and time is left: out-of-bounds accesses fail the row.
-  local cs="" c
-  for c in "$(command -v compute-sanitizer 2>/dev/null)" "$cuda/bin/compute-sanitizer" \
-           "$cuda/compute-sanitizer/compute-sanitizer"; do
-    if [[ -n "$c" && -x "$c" ]]; then cs=$c; break; fi
-  done
-  t=$(step_time 60 "$families_deadline")
-  if [[ -z "$cs" ]]; then
-    row families "topk memcheck" INFO "skipped: compute-sanitizer not found (PATH, $cuda/bin, $cuda/compute-sanitizer)"
-  elif [[ $t -eq 0 ]]; then
-    row families "topk memcheck" INFO "skipped: the section ran out of time"
-  else
-    timeout "$t" "$cs" --tool memcheck --error-exitcode 99 "$bin" --info > "$OUT/families-sanitizer-trivial.log" 2>&1
-    rc=$?
-    t=$(step_time 240 "$families_deadline")
-    if [[ $rc -ne 0 ]]; then
-      row families "topk memcheck" INFO \
-        "skipped: it fails on a trivial run (--info, exit $rc): $(last_line "$OUT/families-sanitizer-trivial.log")"
-    elif [[ $t -eq 0 ]]; then
-      row families "topk memcheck" INFO "skipped: the section ran out of time"
-    else
-      timeout "$t" "$cs" --tool memcheck --error-exitcode 99 --print-limit 20 \
-        "$bin" --check --quick --time-limit $((t - 10)) > "$OUT/families-topk-memcheck.log" 2>&1
-      rc=$?
-      local errors result
-      errors=$(grep -E 'ERROR SUMMARY' "$OUT/families-topk-memcheck.log" | tail -n 1 | sed 's/^[= ]*//')
-      result=$(grep -E '^RESULT: ' "$OUT/families-topk-memcheck.log" | tail -n 1)
-      r=PASS
-      if [[ $rc -eq 99 || $rc -eq 124 || ! "$errors" =~ ERROR\ SUMMARY:\ 0\ errors ]]; then r=FAIL; fi
-      detail="${errors:-no ERROR SUMMARY (exit $rc)}; --check --quick ${result:-exit $rc}"
-      [[ $rc -eq 124 ]] && detail="timed out after $t s; $detail"
-      row families "topk memcheck --check --quick" "$r" "$detail (families-topk-memcheck.log)"
-      fail_if "$r"
-    fi
-  fi
+  memcheck_step families "topk memcheck" "$bin" families-topk "$families_deadline"
 }
 
 # PowerSGD's CUDA module (kernels/lowrank_cuda.h), the last step of the families section:
@@ -394,38 +364,10 @@ section_families_topk() {
 # a link after TopK's, --check 30-60 s (the CPU reference of the 1024 x 4096 layers at
 # rank 32 dominates), --bench under 15 s, memcheck 1-2 min.
 section_families_lowrank() {
-  local bin=build/bin/lgreco-gpu-lowrank-check cuda rc detail r t line deadline
+  local bin=build/bin/lgreco-gpu-lowrank-check rc detail t line deadline
   deadline=$((SECONDS + ${LGRECO_GPU_LOWRANK_SECONDS:-150}))
-  cuda=$(cuda_home)
-  if [[ ! -x "$cuda/bin/nvcc" ]]; then
-    row families "build lgreco-gpu-lowrank-check" FAIL "no nvcc ($cuda/bin/nvcc, PATH): set CUDA_HOME"; failed=1; return
-  fi
-  t=$(step_time 120 "$deadline")
-  NVCC_APPEND_FLAGS="${NVCC_APPEND_FLAGS:+$NVCC_APPEND_FLAGS }--threads 0" \
-    timeout "$t" make -j"$JOBS" "$bin" CUDA_HOME="$cuda" PYTHON="$PY" > "$OUT/lowrank-build.log" 2>&1
-  rc=$?
-  if [[ $rc -ne 0 || ! -x "$bin" ]]; then
-    detail=$(grep -m 1 -E 'error|No rule' "$OUT/lowrank-build.log" | cut -c1-100)
-    detail="exit $rc: ${detail:-$(last_line "$OUT/lowrank-build.log")}"
-    [[ $rc -eq 124 ]] && detail="timed out after $t s"
-    row families "build lgreco-gpu-lowrank-check" FAIL "$detail (lowrank-build.log)"; failed=1; return
-  fi
-  row families "build lgreco-gpu-lowrank-check" PASS "CUDA at $cuda"
-
-  # Parity with the CPU reference. Exit 2 is "no CUDA device", 3 its own time limit.
-  t=$(step_time 120 "$deadline")
-  if [[ $t -eq 0 ]]; then row families "lowrank --check" FAIL "skipped: the section ran out of time"; failed=1; return; fi
-  timeout "$t" "$bin" --check --time-limit $((t - 10)) > "$OUT/lowrank-check.log" 2>&1
-  rc=$?
-  detail=$(grep -E '^SUMMARY: ' "$OUT/lowrank-check.log" | tail -n 1 | cut -c10-)
-  [[ -z "$detail" ]] && detail="exit $rc: $(last_line "$OUT/lowrank-check.log")"
-  [[ $rc -eq 124 ]] && detail="timed out after $t s; $(last_line "$OUT/lowrank-check.log")"
-  r=PASS; [[ $rc -eq 0 ]] || r=FAIL
-  row families "lowrank --check" "$r" "$(cut -c1-300 <<< "$detail") (lowrank-check.log)"
-  fail_if "$r"
-  while IFS= read -r line; do
-    row families "  failed" FAIL "$(cut -c1-150 <<< "${line#\# failed: }")"
-  done < <(grep -E '^# failed: ' "$OUT/lowrank-check.log" | head -n 6)
+  build_step families "$bin" lowrank 120 "$deadline" || return
+  check_step families "lowrank --check" "$bin" lowrank 120 "$deadline" || return
 
   # One step's time; a row per case, the lines after the summary.
   t=$(step_time 60 "$deadline")
@@ -445,122 +387,23 @@ section_families_lowrank() {
     done < <(grep -E '^bench ' "$OUT/lowrank-bench.log")
   fi
 
-  # compute-sanitizer memcheck of --check --quick (cuBLAS's kernels included), as for TopK.
-  local cs="" c
-  for c in "$(command -v compute-sanitizer 2>/dev/null)" "$cuda/bin/compute-sanitizer" \
-           "$cuda/compute-sanitizer/compute-sanitizer"; do
-    if [[ -n "$c" && -x "$c" ]]; then cs=$c; break; fi
-  done
-  t=$(step_time 60 "$deadline")
-  if [[ -z "$cs" ]]; then
-    row families "lowrank memcheck" INFO "skipped: compute-sanitizer not found (PATH, $cuda/bin, $cuda/compute-sanitizer)"
-  elif [[ $t -eq 0 ]]; then
-    row families "lowrank memcheck" INFO "skipped: the section ran out of time"
-  else
-    timeout "$t" "$cs" --tool memcheck --error-exitcode 99 "$bin" --info > "$OUT/lowrank-sanitizer-trivial.log" 2>&1
-    rc=$?
-    t=$(step_time 240 "$deadline")
-    if [[ $rc -ne 0 ]]; then
-      row families "lowrank memcheck" INFO \
-        "skipped: it fails on a trivial run (--info, exit $rc): $(last_line "$OUT/lowrank-sanitizer-trivial.log")"
-    elif [[ $t -eq 0 ]]; then
-      row families "lowrank memcheck" INFO "skipped: the section ran out of time"
-    else
-      timeout "$t" "$cs" --tool memcheck --error-exitcode 99 --print-limit 20 \
-        "$bin" --check --quick --time-limit $((t - 10)) > "$OUT/lowrank-memcheck.log" 2>&1
-      rc=$?
-      local errors result
-      errors=$(grep -E 'ERROR SUMMARY' "$OUT/lowrank-memcheck.log" | tail -n 1 | sed 's/^[= ]*//')
-      result=$(grep -E '^RESULT: ' "$OUT/lowrank-memcheck.log" | tail -n 1)
-      r=PASS
-      if [[ $rc -eq 99 || ! "$errors" =~ ERROR\ SUMMARY:\ 0\ errors ]]; then r=FAIL; fi
-      detail="${errors:-no ERROR SUMMARY (exit $rc)}; --check --quick ${result:-exit $rc}"
-      # Out of time under the sanitizer's slowdown is not a memory error.
-      if [[ $rc -eq 124 || $rc -eq 3 ]] && [[ -z "$errors" || "$errors" =~ ERROR\ SUMMARY:\ 0\ errors ]]; then
-        r=INFO; detail="did not finish in $t s under the sanitizer; no memory error reported before"
-      fi
-      row families "lowrank memcheck --check --quick" "$r" "$detail (lowrank-memcheck.log)"
-      fail_if "$r"
-    fi
-  fi
+  # cuBLAS's kernels included.
+  memcheck_step families "lowrank memcheck" "$bin" lowrank "$deadline"
 }
 
 # The engine's CUDA backend against the CPU backend. Its steps share one deadline
 # (LGRECO_GPU_BACKEND_SECONDS, default 420 s). Expected on an H200: build 1-2 min cold
 # (less after the codec section), --check 10-30 s, memcheck of --check --quick 1-2 min.
 section_backend() {
-  local bin=build/bin/lgreco-gpu-backend-check cuda rc detail r t deadline
+  local bin=build/bin/lgreco-gpu-backend-check deadline
   deadline=$((SECONDS + ${LGRECO_GPU_BACKEND_SECONDS:-420}))
-  cuda=$(cuda_home)
-  if [[ ! -x "$cuda/bin/nvcc" ]]; then
-    row backend "build lgreco-gpu-backend-check" FAIL "no nvcc ($cuda/bin/nvcc, PATH): set CUDA_HOME"; failed=1; return
-  fi
-  t=$(step_time 300 "$deadline")
-  NVCC_APPEND_FLAGS="${NVCC_APPEND_FLAGS:+$NVCC_APPEND_FLAGS }--threads 0" \
-    timeout "$t" make -j"$JOBS" "$bin" build/bin/lgreco-gpu-codec-check CUDA_HOME="$cuda" PYTHON="$PY" \
-    > "$OUT/backend-build.log" 2>&1
-  rc=$?
-  if [[ $rc -ne 0 || ! -x "$bin" ]]; then
-    detail=$(grep -m 1 -E 'error|No rule' "$OUT/backend-build.log" | cut -c1-100)
-    detail="exit $rc: ${detail:-$(last_line "$OUT/backend-build.log")}"
-    [[ $rc -eq 124 ]] && detail="timed out after $t s"
-    row backend "build lgreco-gpu-backend-check" FAIL "$detail (backend-build.log)"; failed=1; return
-  fi
-  row backend "build lgreco-gpu-backend-check" PASS "CUDA at $cuda"
-
-  # Exit 2 is "no CUDA device", 3 its own time limit.
-  t=$(step_time 120 "$deadline")
-  if [[ $t -eq 0 ]]; then row backend "--check" FAIL "skipped: the section ran out of time"; failed=1; return; fi
-  timeout "$t" "$bin" --check --time-limit $((t - 10)) > "$OUT/backend-check.log" 2>&1
-  rc=$?
-  detail=$(grep -E '^SUMMARY: ' "$OUT/backend-check.log" | tail -n 1 | cut -c10-)
-  [[ -z "$detail" ]] && detail="exit $rc: $(last_line "$OUT/backend-check.log")"
-  [[ $rc -eq 124 ]] && detail="timed out after $t s; $(last_line "$OUT/backend-check.log")"
-  r=PASS; [[ $rc -eq 0 ]] || r=FAIL
-  row backend "--check" "$r" "$detail (backend-check.log)"
-  fail_if "$r"
-  local line
-  while IFS= read -r line; do
-    row backend "  failed" FAIL "$(cut -c1-150 <<< "${line#\# failed: }")"
-  done < <(grep -E '^# failed: ' "$OUT/backend-check.log" | head -n 6)
+  build_step backend "$bin" backend 300 "$deadline" build/bin/lgreco-gpu-codec-check || return
+  check_step backend "--check" "$bin" backend 120 "$deadline" || return
   # The per-check table comes after the summary.
   sed -n '/^== lgreco-gpu-backend-check --check/,$p' "$OUT/backend-check.log" > "$OUT/backend-check-table.txt"
   [[ -s "$OUT/backend-check-table.txt" ]] && appendix+=("$OUT/backend-check-table.txt")
-
-  # One compute-sanitizer memcheck pass of --check --quick, as in the codec section.
-  local cs="" c
-  for c in "$(command -v compute-sanitizer 2>/dev/null)" "$cuda/bin/compute-sanitizer" \
-           "$cuda/compute-sanitizer/compute-sanitizer"; do
-    if [[ -n "$c" && -x "$c" ]]; then cs=$c; break; fi
-  done
-  t=$(step_time 240 "$deadline")
-  if [[ -z "$cs" ]]; then
-    row backend "compute-sanitizer memcheck" INFO "skipped: compute-sanitizer not found (PATH, $cuda/bin, $cuda/compute-sanitizer)"
-  elif [[ $t -eq 0 ]]; then
-    row backend "compute-sanitizer memcheck" INFO "skipped: the section ran out of time"
-  elif ! timeout 60 "$cs" --tool memcheck --error-exitcode 99 build/bin/lgreco-gpu-codec-check --info \
-         > "$OUT/backend-sanitizer-trivial.log" 2>&1; then
-    # As in the codec section: a sanitizer that fails a trivial run (one allocation, one
-    # copy, one launch) cannot tell us anything here.
-    row backend "compute-sanitizer memcheck" INFO \
-      "skipped: it fails on a trivial run: $(last_line "$OUT/backend-sanitizer-trivial.log")"
-  else
-    timeout "$t" "$cs" --tool memcheck --error-exitcode 99 --print-limit 20 \
-      "$bin" --check --quick --time-limit $((t - 10)) > "$OUT/backend-memcheck.log" 2>&1
-    rc=$?
-    local errors result
-    errors=$(grep -E 'ERROR SUMMARY' "$OUT/backend-memcheck.log" | tail -n 1 | sed 's/^[= ]*//')
-    result=$(grep -E '^RESULT: ' "$OUT/backend-memcheck.log" | tail -n 1)
-    # PASS needs a clean exit and no memory error; memory errors (exit 99) and timeouts
-    # fail; any other exit (the check failing, already reported above) is noted.
-    if [[ $rc -eq 0 && "$errors" =~ ERROR\ SUMMARY:\ 0\ errors ]]; then r=PASS
-    elif [[ $rc -eq 99 || $rc -eq 124 ]]; then r=FAIL
-    else r=INFO; fi
-    detail="${errors:-no ERROR SUMMARY (exit $rc)}; --check --quick ${result:-exit $rc}"
-    [[ $rc -eq 124 ]] && detail="timed out after $t s; $detail"
-    row backend "memcheck --check --quick" "$r" "$detail (backend-memcheck.log)"
-    fail_if "$r"
-  fi
+  # The trivial run is the codec check's (--info; this program has none).
+  memcheck_step backend "memcheck" "$bin" backend "$deadline" build/bin/lgreco-gpu-codec-check
 }
 
 # The collective shim on the GPU: lgreco-bench --fabric nccl against plain NCCL, then
