@@ -55,6 +55,17 @@ EngineOptions fixed_options(Algorithm algorithm, bool error_feedback) {
   return o;
 }
 
+// Adaptive mode around quant:bits=4 with a short schedule: warm-up 2, a re-solve every 4
+// steps from a window of 2, switching 1 step after it.
+EngineOptions adaptive_options(const std::vector<CodecSpec>& candidates, const std::string& text) {
+  EngineOptions o;
+  o.codec = quant(4);
+  o.candidates = candidates;
+  o.parameters_text = text;
+  o.controller.schedule = {2, 4, 2, 1};
+  return o;
+}
+
 Bytes to_dtype(const std::vector<float>& v, DType dtype) {
   Bytes out(v.size() * dtype_size(dtype));
   for (size_t i = 0; i < v.size(); ++i) store_from_float(out.data(), dtype, i, v[i]);
@@ -808,14 +819,7 @@ BOOST_AUTO_TEST_CASE(adaptive_switches_are_the_same_on_every_rank) {
   Job job;
   job.ranks = 4;
   job.buckets = {bucket};
-  job.options = [&](int) {
-    EngineOptions o;
-    o.codec = quant(4);
-    o.candidates = candidates;
-    o.parameters_text = "adaptive";
-    o.controller.schedule = {2, 4, 2, 1};
-    return o;
-  };
+  job.options = [&](int) { return adaptive_options(candidates, "adaptive"); };
   // Layers of very different scales: the search moves bits to where they pay.
   job.input = [&](int r, uint64_t step, uint32_t) {
     std::mt19937_64 rng(seed ^ (uint64_t(r) << 40) ^ step);
@@ -941,14 +945,7 @@ BOOST_AUTO_TEST_CASE(adaptive_choice_across_families_is_the_same_on_every_rank) 
       Job job;
       job.ranks = ranks;
       job.buckets = {bucket};
-      job.options = [&](int) {
-        EngineOptions o;
-        o.codec = quant(4);
-        o.candidates = candidates;
-        o.parameters_text = "families";
-        o.controller.schedule = {2, 4, 2, 1};
-        return o;
-      };
+      job.options = [&](int) { return adaptive_options(candidates, "families"); };
       // Layer 0 is sparse: 200 nonzero values (TopK at 0.5% keeps them all, exactly, for
       // 1600 bytes, where 4-bit quantization spends 20 KB and still errs on the zeros);
       // layers 1 and 2 are dense, where TopK would lose most of the energy and
@@ -1158,11 +1155,7 @@ BOOST_AUTO_TEST_CASE(adaptive_choice_among_three_families) {
   job.ranks = ranks;
   job.buckets = {bucket};
   job.options = [&](int) {
-    EngineOptions o;
-    o.codec = quant(4);
-    o.candidates = candidates;
-    o.parameters_text = "three families";
-    o.controller.schedule = {2, 4, 2, 1};
+    EngineOptions o = adaptive_options(candidates, "three families");
     // Without error feedback the sparse layer stays sparse: with it, the default's
     // quantization residual spreads over every element, and which family wins that layer
     // depends on the draw.
@@ -1338,12 +1331,8 @@ Job three_family_job(int ranks, Algorithm algorithm, uint64_t seed) {
   job.ranks = ranks;
   job.buckets = {bucket};
   job.options = [=](int) {
-    EngineOptions o;
-    o.codec = quant(4);
-    o.candidates = candidates;
+    EngineOptions o = adaptive_options(candidates, "three families");
     o.algorithm = algorithm;
-    o.parameters_text = "three families";
-    o.controller.schedule = {2, 4, 2, 1};
     return o;
   };
   job.input = random_inputs(job.buckets, seed);
