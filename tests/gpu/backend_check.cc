@@ -27,8 +27,6 @@
 // CUDA device (the reason is printed), 3 the --time-limit ran out. Built only with CUDA
 // (Makefile), run by tests/gpu/run.sh backend; about 10-30 s on an H200 by estimate.
 #include <cuda_runtime.h>
-#include <signal.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -73,9 +71,6 @@ using collective::Segment;
 using shim::CudaBackend;
 
 constexpr char kProgram[] = "lgreco-gpu-backend-check";
-constexpr int kExitFailed = 1;
-constexpr int kExitNoDevice = 2;
-constexpr int kExitTimeLimit = 3;
 
 // The statistics' tolerance, as tests/gpu/quant_cuda_check.cc and docs/KERNELS.md state
 // it: relative to the CPU's value, plus float32's resolution of the statistic (per
@@ -108,37 +103,10 @@ std::vector<uint8_t> from_device(const void* d, uint64_t bytes) {
 }
 std::vector<uint8_t> from_device(const DeviceBuffer& d) { return from_device(d.get(), d.size()); }
 
-class Stream {
- public:
-  Stream() { LGRECO_CUDA_CHECK(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking)); }
-  ~Stream() {
-    if (s_) cudaStreamDestroy(s_);
-  }
-  Stream(const Stream&) = delete;
-  Stream& operator=(const Stream&) = delete;
-  cudaStream_t get() const { return s_; }
-
- private:
-  cudaStream_t s_ = nullptr;
-};
-
-template <class T>
-std::vector<uint8_t> bytes_of(const std::vector<T>& v) {
-  std::vector<uint8_t> b(v.size() * sizeof(T));
-  if (!b.empty()) memcpy(b.data(), v.data(), b.size());
-  return b;
-}
 float f32_at(const std::vector<uint8_t>& b, uint64_t i) {
   float f;
   memcpy(&f, b.data() + i * 4, 4);
   return f;
-}
-
-void on_time_limit(int) {
-  static const char kMessage[] = "lgreco-gpu-backend-check: the --time-limit ran out; exiting with status 3\n";
-  const ssize_t ignored = write(STDERR_FILENO, kMessage, sizeof kMessage - 1);
-  (void)ignored;
-  _exit(kExitTimeLimit);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -999,7 +967,7 @@ bool all_equal(const float* v, uint64_t n, float want) {
 }
 
 void check_streams_events_marks(Report& r, CudaBackend& gpu, int device) {
-  Stream a, b;
+  CudaStream a, b;
   std::vector<float> init(kBig, 0x1p20f);
   DeviceBuffer d(kBig * 4);
   LGRECO_CUDA_CHECK(cudaMemcpy(d.get(), init.data(), kBig * 4, cudaMemcpyHostToDevice));
@@ -1088,7 +1056,7 @@ void check_stream_ordered_memory(Report& r, int device) {
   float* host = static_cast<float*>(pinned->data());
   constexpr uint64_t kTail = 1024;
   {
-    Stream a, b;
+    CudaStream a, b;
     gpu->set_stream(a.get());
     auto x = gpu->allocate(kBig * 4);
     std::vector<float> init(kBig, 0x1p20f);
@@ -1123,11 +1091,11 @@ void check_stream_ordered_memory(Report& r, int device) {
   // The framework destroys the stream the backend used last; set_stream must not touch
   // it, and the next stream still sees the work enqueued there.
   {
-    Stream b;
+    CudaStream b;
     auto buf = gpu->allocate(kBig * 4);
     float* d = static_cast<float*>(buf->data());
     {
-      Stream doomed;
+      CudaStream doomed;
       gpu->set_stream(doomed.get());
       std::vector<float> init(kBig, 0x1p20f);
       gpu->upload(d, init.data(), kBig * 4);
@@ -1147,7 +1115,7 @@ void check_stream_ordered_memory(Report& r, int device) {
     }
     // The stream the backend used last is now captured (thread-local mode) by the
     // framework: switching away must add nothing to the capture.
-    Stream captured;
+    CudaStream captured;
     gpu->set_stream(captured.get());
     gpu->divide(d, kBig, 2.0f);
     LGRECO_CUDA_CHECK(cudaStreamBeginCapture(captured.get(), cudaStreamCaptureModeThreadLocal));
@@ -1257,7 +1225,7 @@ void check_cap(Report& r, int device) {
 void check_runtime(Report& r, int device, int device_count) {
   auto runtime = shim::cuda_runtime();
   r.check(runtime->name() == "cuda", "runtime", "name() is " + runtime->name());
-  Stream s;
+  CudaStream s;
   std::string error;
   r.check(!runtime->capturing(s.get(), &error), "runtime", "capturing() is true on an idle stream: " + error);
   LGRECO_CUDA_CHECK(cudaStreamBeginCapture(s.get(), cudaStreamCaptureModeThreadLocal));
@@ -1288,7 +1256,7 @@ void check_runtime(Report& r, int device, int device_count) {
   }
   const int other = device == 0 ? 1 : 0;
   LGRECO_CUDA_CHECK(cudaSetDevice(other));
-  Stream other_stream;
+  CudaStream other_stream;
   LGRECO_CUDA_CHECK(cudaSetDevice(device));
   auto gpu = CudaBackend::create(other, 0);
   gpu->set_stream(other_stream.get());
@@ -1315,11 +1283,7 @@ struct Options {
 };
 
 int run_check(const Options& o) {
-  const uint64_t seed = o.seed ? *o.seed
-                               : (static_cast<uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}() ^
-                                     static_cast<uint64_t>(cli::seconds_now() * 1e9);
-  printf("# --check%s, seed 0x%016llx (replay: %s --check%s --seed 0x%016llx)\n", o.quick ? " --quick" : "",
-         static_cast<ull>(seed), kProgram, o.quick ? " --quick" : "", static_cast<ull>(seed));
+  const uint64_t seed = check_seed(o.seed, kProgram, o.quick);
   Rng rng(seed);
   Report r;
   int count = 0;
@@ -1330,7 +1294,7 @@ int run_check(const Options& o) {
     LGRECO_CUDA_CHECK(cudaSetDevice(o.device));
     CpuBackend cpu;
     auto gpu = CudaBackend::create(o.device, 0);
-    Stream stream;
+    CudaStream stream;
     gpu->set_stream(stream.get());
     Ctx c{r, cpu, *gpu, rng, stream.get()};
     const int trials = o.quick ? 12 : 60;
@@ -1437,10 +1401,7 @@ int run(int argc, char** argv) {
   }
   if (!o.check) throw cli::UsageError("say what to do: --check");
   setvbuf(stdout, nullptr, _IOLBF, 0);
-  if (o.time_limit > 0) {
-    signal(SIGALRM, on_time_limit);
-    alarm(o.time_limit);
-  }
+  arm_time_limit(kProgram, o.time_limit);
   int count = 0;
   const cudaError_t e = cudaGetDeviceCount(&count);
   if (e != cudaSuccess || count == 0 || o.device >= count) {

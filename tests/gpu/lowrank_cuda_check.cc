@@ -30,8 +30,6 @@
 // 0 every check passed, 1 a check or a CUDA call failed, 2 usage error or no CUDA device,
 // 3 the --time-limit ran out.
 #include <cuda_runtime.h>
-#include <signal.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -65,9 +63,6 @@ namespace lc = lowrank::cuda;
 using namespace gpu_check;
 
 constexpr char kProgram[] = "lgreco-gpu-lowrank-check";
-constexpr int kExitFailed = 1;
-constexpr int kExitNoDevice = 2;
-constexpr int kExitTimeLimit = 3;
 
 // The tolerances of docs/KERNELS.md, "PowerSGD on the GPU". cuBLAS's SGEMM sums float32
 // products in float32 (the CPU sums float64 products and rounds once); on random data a
@@ -88,23 +83,6 @@ constexpr uint8_t kPoisonByte = 0xA5;
 // ---------------------------------------------------------------------------------------
 // Small helpers
 
-template <class T>
-void upload(const DeviceBuffer& d, const std::vector<T>& h, const CudaStream& s) {
-  const uint64_t bytes = h.size() * sizeof(T);
-  if (bytes > d.size()) throw std::logic_error("upload of " + std::to_string(bytes) + " bytes into a smaller buffer");
-  if (bytes > 0) LGRECO_CUDA_CHECK(cudaMemcpyAsync(d.get(), h.data(), bytes, cudaMemcpyHostToDevice, s.get()));
-}
-
-template <class T>
-std::vector<T> download(const DeviceBuffer& d, uint64_t count, const CudaStream& s) {
-  std::vector<T> h(count);
-  if (count * sizeof(T) > d.size()) throw std::logic_error("download beyond the end of a buffer");
-  if (count > 0)
-    LGRECO_CUDA_CHECK(cudaMemcpyAsync(h.data(), d.get(), count * sizeof(T), cudaMemcpyDeviceToHost, s.get()));
-  s.sync();
-  return h;
-}
-
 void poison(const DeviceBuffer& d, const CudaStream& s) {
   LGRECO_CUDA_CHECK(cudaMemsetAsync(d.get(), kPoisonByte, d.size(), s.get()));
 }
@@ -116,13 +94,6 @@ float poison_float() {
 }
 
 bool same_bits(float a, float b) { return float_bits(a) == float_bits(b); }
-
-void on_time_limit(int) {
-  static const char kMessage[] = "lgreco-gpu-lowrank-check: the --time-limit ran out; exiting with status 3\n";
-  const ssize_t ignored = write(STDERR_FILENO, kMessage, sizeof kMessage - 1);
-  (void)ignored;
-  _exit(kExitTimeLimit);
-}
 
 // ---------------------------------------------------------------------------------------
 // Results
@@ -898,10 +869,8 @@ int run(int argc, char** argv) {
     if (args.is_help()) {
       fputs(kUsage, stdout);
       return 0;
-    } else if (arg == "--check" || arg == "--bench" || arg == "--info") {
-      const Mode m = arg == "--check" ? Mode::kCheck : arg == "--bench" ? Mode::kBench : Mode::kInfo;
-      if (mode != Mode::kNone && mode != m) throw cli::UsageError("--check, --bench and --info exclude each other");
-      mode = m;
+    } else if (parse_mode(arg, mode)) {
+      // --check, --bench or --info
     } else if (arg == "--quick") {
       quick = true;
     } else if (arg == "--seed") {
@@ -916,14 +885,10 @@ int run(int argc, char** argv) {
       throw cli::UsageError("unknown option " + arg);
     }
   }
-  if (mode == Mode::kNone) throw cli::UsageError("say what to do: --check, --bench or --info");
-  if (quick && mode != Mode::kCheck) throw cli::UsageError("--quick goes with --check");
+  require_mode(mode, quick);
 
   setvbuf(stdout, nullptr, _IOLBF, 0);
-  if (time_limit > 0) {
-    signal(SIGALRM, on_time_limit);
-    alarm(time_limit);
-  }
+  arm_time_limit(kProgram, time_limit);
   if (!lc::available()) {
     fprintf(stderr, "%s: this build of lgreco has no CUDA kernels (nvcc was not found at build time)\n", kProgram);
     return kExitNoDevice;
@@ -935,12 +900,8 @@ int run(int argc, char** argv) {
             e != cudaSuccess ? cudaGetErrorString(e) : strf("%d devices", count).c_str());
     return kExitNoDevice;
   }
-  LGRECO_CUDA_CHECK(cudaSetDevice(device));
-  cudaDeviceProp prop{};
-  LGRECO_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
-  int runtime = 0, driver = 0;
-  LGRECO_CUDA_CHECK(cudaRuntimeGetVersion(&runtime));
-  LGRECO_CUDA_CHECK(cudaDriverGetVersion(&driver));
+  const DeviceFacts facts = use_device(device);
+  const cudaDeviceProp& prop = facts.prop;
   DeviceBuffer workspace(lc::kWorkspaceBytes);
   lc::Handle handle;
   try {
@@ -949,10 +910,9 @@ int run(int argc, char** argv) {
     printf("# device %d: %s\nFAIL handle: %s\nRESULT: FAIL\n", device, prop.name, x.what());
     return kExitFailed;
   }
-  printf("# device %d: %s, compute capability %d.%d, %d SMs; CUDA runtime %d.%d, driver %d.%d; cuBLAS %d; "
-         "lgreco %s; %s\n",
-         device, prop.name, prop.major, prop.minor, prop.multiProcessorCount, runtime / 1000, (runtime % 1000) / 10,
-         driver / 1000, (driver % 1000) / 10, handle.cublas_version(), version_string(), bench::utc_now().c_str());
+  printf("# device %d: %s, compute capability %d.%d, %d SMs; %s; cuBLAS %d; lgreco %s; %s\n", device, prop.name,
+         prop.major, prop.minor, prop.multiProcessorCount, facts.versions().c_str(), handle.cublas_version(),
+         version_string(), bench::utc_now().c_str());
   CudaStream s;
   int rc = 0;
   if (mode == Mode::kCheck)

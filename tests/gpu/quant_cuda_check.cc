@@ -22,8 +22,6 @@
 // passed, 1 a check or a CUDA call failed, 2 usage error or no CUDA device, 3 the
 // --time-limit ran out (a hung kernel cannot hold the GPU script).
 #include <cuda_runtime.h>
-#include <signal.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -62,9 +60,6 @@ namespace {
 namespace qc = quant::cuda;
 
 constexpr char kProgram[] = "lgreco-gpu-codec-check";
-constexpr int kExitFailed = 1;
-constexpr int kExitNoDevice = 2;
-constexpr int kExitTimeLimit = 3;
 
 // How far the GPU's error statistics may be from the CPU reference's (measure_candidates),
 // relative to the CPU's value. The kernels multiply by a reciprocal where the reference
@@ -140,42 +135,6 @@ class CaptureGuard {
   cudaStream_t stream_;
   bool open_ = false;
 };
-
-template <class T>
-void upload(const DeviceBuffer& d, const std::vector<T>& h, const CudaStream& s) {
-  const uint64_t bytes = h.size() * sizeof(T);
-  if (bytes > d.size()) throw std::logic_error("upload of " + std::to_string(bytes) + " bytes into a smaller buffer");
-  if (bytes > 0) LGRECO_CUDA_CHECK(cudaMemcpyAsync(d.get(), h.data(), bytes, cudaMemcpyHostToDevice, s.get()));
-}
-
-// The first `count` T of d, after everything queued on s has run.
-template <class T>
-std::vector<T> download(const DeviceBuffer& d, uint64_t count, const CudaStream& s) {
-  std::vector<T> h(count);
-  if (count * sizeof(T) > d.size()) throw std::logic_error("download beyond the end of a buffer");
-  if (count > 0) LGRECO_CUDA_CHECK(cudaMemcpyAsync(h.data(), d.get(), count * sizeof(T), cudaMemcpyDeviceToHost, s.get()));
-  s.sync();
-  return h;
-}
-
-template <class T>
-std::vector<uint8_t> as_bytes(const std::vector<T>& v) {
-  std::vector<uint8_t> b(v.size() * sizeof(T));
-  if (!b.empty()) memcpy(b.data(), v.data(), b.size());
-  return b;
-}
-
-// ---------------------------------------------------------------------------------------
-// The time limit: a kernel that never ends would hold the GPU script until its timeout;
-// this ends the process with a message instead (stdout is line-buffered, so every result
-// printed so far is in the log).
-
-void on_time_limit(int) {
-  static const char kMessage[] = "lgreco-gpu-codec-check: the --time-limit ran out; exiting with status 3\n";
-  const ssize_t ignored = write(STDERR_FILENO, kMessage, sizeof kMessage - 1);
-  (void)ignored;
-  _exit(kExitTimeLimit);
-}
 
 // ---------------------------------------------------------------------------------------
 // The device
@@ -881,7 +840,7 @@ void compare_encode(Report& r, const char* kind, const EncodeCase& c, const Enco
       r, kind, name, "payload", got.payload, want.payload, 1,
       [&](uint64_t i) { return describe_payload_byte(c.layout, c.shift.payload, i); }, "");
   ok = compare_buffers(
-           r, kind, name, "residual", as_bytes(got.residual), as_bytes(want.residual), 4,
+           r, kind, name, "residual", bytes_of(got.residual), bytes_of(want.residual), 4,
            [&](uint64_t i) { return describe_element(c.layout, c.shift.residual, i); }, "") &&
        ok;
   const unsigned long long want_counter = c.use_counter ? want.counter : kCounterStart;
@@ -1858,11 +1817,11 @@ void check_graph(Report& r, const CudaStream& s, bool quick, Rng& rng) {
     PipelineResult p;
     const EncodeOutput e = download_encode(c, d, s);
     p.payload = e.payload;
-    p.residual = as_bytes(e.residual);
-    p.counter = as_bytes(std::vector<unsigned long long>{e.counter});
+    p.residual = bytes_of(e.residual);
+    p.counter = bytes_of(std::vector<unsigned long long>{e.counter});
     p.decoded = download<uint8_t>(decoded, decoded0.size(), s);
     p.accumulated = download<uint8_t>(accumulated, accumulated0.size(), s);
-    p.squared = as_bytes(download<double>(sd.squared, sc.squared_init.size(), s));
+    p.squared = bytes_of(download<double>(sd.squared, sc.squared_init.size(), s));
     p.flags = download<uint8_t>(sd.flags, sc.layers, s);
     return p;
   };
@@ -1923,7 +1882,7 @@ void check_graph(Report& r, const CudaStream& s, bool quick, Rng& rng) {
   // Nothing ran during capture: the buffers still hold their initial contents.
   const PipelineResult untouched = collect();
   if (untouched.payload != poisoned_payload(c) || untouched.decoded != decoded0 ||
-      untouched.squared != as_bytes(sc.squared_init))
+      untouched.squared != bytes_of(sc.squared_init))
     r.fail("graph", name, "the buffers changed during capture: the calls ran instead of being recorded");
   LGRECO_CUDA_CHECK(cudaGraphInstantiate(graph.exec_slot(), graph.graph(), 0));
   const char* parts[] = {"payload", "residual", "counter", "decode output", "accumulators", "squared errors", "flags"};
@@ -1962,10 +1921,7 @@ struct Options {
 };
 
 int run_check(const Options& o, const CudaStream& s) {
-  const uint64_t seed = o.seed ? *o.seed : (static_cast<uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}() ^
-                                               static_cast<uint64_t>(cli::seconds_now() * 1e9);
-  printf("# --check%s, seed 0x%016llx (replay: %s --check%s --seed 0x%016llx)\n", o.quick ? " --quick" : "",
-         static_cast<ull>(seed), kProgram, o.quick ? " --quick" : "", static_cast<ull>(seed));
+  const uint64_t seed = check_seed(o.seed, kProgram, o.quick);
   printf("# statistics tolerance: %.0e relative to the CPU's value, plus float32's resolution (per bucket n x unit x "
          "(range + max |v|) x 2^%d)\n",
          kStatsRelTolerance, static_cast<int>(std::log2(kStatsResolution)));
@@ -2367,12 +2323,8 @@ int run(int argc, char** argv) {
     if (args.is_help()) {
       fputs(kUsage, stdout);
       return 0;
-    } else if (arg == "--check" || arg == "--bench" || arg == "--info") {
-      const Options::Mode m = arg == "--check" ? Options::Mode::kCheck
-                              : arg == "--bench" ? Options::Mode::kBench
-                                                 : Options::Mode::kInfo;
-      if (o.mode != Options::Mode::kNone && o.mode != m) throw cli::UsageError("--check, --bench and --info exclude each other");
-      o.mode = m;
+    } else if (parse_mode(arg, o.mode)) {
+      // --check, --bench or --info
     } else if (arg == "--quick") {
       o.quick = true;
     } else if (arg == "--verbose") {
@@ -2393,16 +2345,12 @@ int run(int argc, char** argv) {
       throw cli::UsageError("unknown option " + arg);
     }
   }
-  if (o.mode == Options::Mode::kNone) throw cli::UsageError("say what to do: --check, --bench or --info");
-  if (o.quick && o.mode != Options::Mode::kCheck) throw cli::UsageError("--quick goes with --check");
+  require_mode(o.mode, o.quick);
   if (o.count < 1024 || o.count > (uint64_t{1} << 32)) throw cli::UsageError("--count must be in 1024..2^32");
   if (o.reps < 1 || o.iters < 1) throw cli::UsageError("--reps and --iters must be at least 1");
 
   setvbuf(stdout, nullptr, _IOLBF, 0);  // every line reaches the log, even if the time limit ends the process
-  if (o.time_limit > 0) {
-    signal(SIGALRM, on_time_limit);
-    alarm(o.time_limit);
-  }
+  arm_time_limit(kProgram, o.time_limit);
   const std::optional<DeviceInfo> info = open_device(o.device);
   if (!info) return kExitNoDevice;
   print_device(*info);

@@ -26,8 +26,6 @@
 // (section families). Exit status: 0 every check passed, 1 a check or a CUDA call failed,
 // 2 usage error or no CUDA device, 3 the --time-limit ran out.
 #include <cuda_runtime.h>
-#include <signal.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -61,9 +59,6 @@ namespace tc = topk::cuda;
 using namespace gpu_check;
 
 constexpr char kProgram[] = "lgreco-gpu-topk-check";
-constexpr int kExitFailed = 1;
-constexpr int kExitNoDevice = 2;
-constexpr int kExitTimeLimit = 3;
 
 // How far the GPU's statistics may be from the CPU's, relative: both add the same exact
 // float64 squares, in different orders (the CPU in sorted order, the GPU per tile and bin).
@@ -78,28 +73,8 @@ constexpr double kTorchTopkMs = 2.2;
 // ---------------------------------------------------------------------------------------
 // CUDA helpers
 
-void upload(const DeviceBuffer& d, const void* h, uint64_t bytes, const CudaStream& s) {
-  if (bytes > d.size()) throw std::logic_error("upload of " + std::to_string(bytes) + " bytes into a smaller buffer");
-  if (bytes > 0) LGRECO_CUDA_CHECK(cudaMemcpyAsync(d.get(), h, bytes, cudaMemcpyHostToDevice, s.get()));
-}
-
-std::vector<uint8_t> download(const DeviceBuffer& d, uint64_t bytes, const CudaStream& s) {
-  std::vector<uint8_t> h(bytes);
-  if (bytes > d.size()) throw std::logic_error("download beyond the end of a buffer");
-  if (bytes > 0) LGRECO_CUDA_CHECK(cudaMemcpyAsync(h.data(), d.get(), bytes, cudaMemcpyDeviceToHost, s.get()));
-  s.sync();
-  return h;
-}
-
 void poison(const DeviceBuffer& d, const CudaStream& s) {
   LGRECO_CUDA_CHECK(cudaMemsetAsync(d.get(), kPoisonByte, std::max<uint64_t>(d.size(), 1), s.get()));
-}
-
-void on_time_limit(int) {
-  static const char kMessage[] = "lgreco-gpu-topk-check: the --time-limit ran out; exiting with status 3\n";
-  const ssize_t ignored = write(STDERR_FILENO, kMessage, sizeof kMessage - 1);
-  (void)ignored;
-  _exit(kExitTimeLimit);
 }
 
 std::optional<cudaDeviceProp> open_device(int device) {
@@ -118,16 +93,11 @@ std::optional<cudaDeviceProp> open_device(int device) {
     fprintf(stderr, "%s: --device %d: this machine has %d CUDA device(s)\n", kProgram, device, count);
     return std::nullopt;
   }
-  LGRECO_CUDA_CHECK(cudaSetDevice(device));
-  cudaDeviceProp prop{};
-  LGRECO_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
-  int runtime = 0, driver = 0;
-  LGRECO_CUDA_CHECK(cudaRuntimeGetVersion(&runtime));
-  LGRECO_CUDA_CHECK(cudaDriverGetVersion(&driver));
-  printf("# device %d: %s, compute capability %d.%d, %d SMs, %.1f GiB; CUDA runtime %d.%d, driver %d.%d; lgreco %s; %s\n",
-         device, prop.name, prop.major, prop.minor, prop.multiProcessorCount,
-         static_cast<double>(prop.totalGlobalMem) / (1 << 30), runtime / 1000, (runtime % 1000) / 10, driver / 1000,
-         (driver % 1000) / 10, version_string(), bench::utc_now().c_str());
+  const DeviceFacts d = use_device(device);
+  const cudaDeviceProp& prop = d.prop;
+  printf("# device %d: %s, compute capability %d.%d, %d SMs, %.1f GiB; %s; lgreco %s; %s\n", device, prop.name,
+         prop.major, prop.minor, prop.multiProcessorCount, static_cast<double>(prop.totalGlobalMem) / (1 << 30),
+         d.versions().c_str(), version_string(), bench::utc_now().c_str());
   return prop;
 }
 
@@ -414,9 +384,9 @@ tc::EncodeBatch encode_batch(const Case& c, const DeviceCase& d) {
 
 Encoded download_encoded(const Case& c, const DeviceCase& d, const CudaStream& s) {
   Encoded out;
-  out.payload = download(d.payload, c.payload_bytes, s);
-  out.residual = download(d.residual, c.residual.size() * 4, s);
-  const std::vector<uint8_t> counter = download(d.counter, 8, s);
+  out.payload = download<uint8_t>(d.payload, c.payload_bytes, s);
+  out.residual = download<uint8_t>(d.residual, c.residual.size() * 4, s);
+  const std::vector<uint8_t> counter = download<uint8_t>(d.counter, 8, s);
   memcpy(&out.nonfinite, counter.data(), 8);
   return out;
 }
@@ -465,7 +435,7 @@ void check_decode(Report& r, const Case& c, const Encoded& enc, const CudaStream
                    job.count, t, want.data() + job.element_offset * width);
     poison(out, s);
     tc::decode(tc::DecodeBatch{c.jobs, payload.get(), out.get(), t, 0}, s.get());
-    const std::string d = differences(download(out, want.size(), s), want, static_cast<uint32_t>(width),
+    const std::string d = differences(download<uint8_t>(out, want.size(), s), want, static_cast<uint32_t>(width),
                                       [&](uint64_t i) { return describe_element(c, i); });
     if (!d.empty()) {
       r.check(false, "decode", c.name, std::string("to ") + dtype_name(t) + ": " + d);
@@ -487,7 +457,7 @@ void check_decode(Report& r, const Case& c, const Encoded& enc, const CudaStream
   tc::decode_accumulate(tc::DecodeBatch{c.jobs, payload.get(), out.get(), DType::kFloat32, 0}, s.get());
   std::vector<uint8_t> want_bytes(want.size() * 4);
   memcpy(want_bytes.data(), want.data(), want_bytes.size());
-  const std::string d = differences(download(out, want_bytes.size(), s), want_bytes, 4,
+  const std::string d = differences(download<uint8_t>(out, want_bytes.size(), s), want_bytes, 4,
                                     [&](uint64_t i) { return describe_element(c, i); });
   r.check(d.empty(), "decode_acc", c.name, d.empty() ? "accumulators as the CPU's" : d);
 }
@@ -534,12 +504,12 @@ void check_stats(Report& r, const Case& c, const std::vector<TopkParams>& candid
   b.scratch = scratch.get();
   b.scratch_bytes = scratch.size();
   tc::squared_errors(b, s.get());
-  const std::vector<uint8_t> got_bytes = download(squared, initial.size() * 8, s);
-  const std::vector<uint8_t> got_flags = download(flags, c.layers, s);
+  const std::vector<uint8_t> got_bytes = download<uint8_t>(squared, initial.size() * 8, s);
+  const std::vector<uint8_t> got_flags = download<uint8_t>(flags, c.layers, s);
   // A second call on the same data must give the same bits (no atomics decide a sum).
   upload(squared, initial.data(), initial.size() * 8, s);
   tc::squared_errors(b, s.get());
-  const std::vector<uint8_t> again = download(squared, initial.size() * 8, s);
+  const std::vector<uint8_t> again = download<uint8_t>(squared, initial.size() * 8, s);
   std::vector<double> got(initial.size());
   memcpy(got.data(), got_bytes.data(), got_bytes.size());
   std::string bad;
@@ -730,11 +700,7 @@ struct Options {
 };
 
 int run_check(const Options& o, const CudaStream& s) {
-  const uint64_t seed = o.seed ? *o.seed
-                               : (static_cast<uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}() ^
-                                     static_cast<uint64_t>(cli::seconds_now() * 1e9);
-  printf("# --check%s, seed 0x%016llx (replay: %s --check%s --seed 0x%016llx)\n", o.quick ? " --quick" : "",
-         static_cast<ull>(seed), kProgram, o.quick ? " --quick" : "", static_cast<ull>(seed));
+  const uint64_t seed = check_seed(o.seed, kProgram, o.quick);
   Rng rng(seed);
   Report r;
   const double start = cli::seconds_now();
@@ -947,10 +913,8 @@ int run(int argc, char** argv) {
     if (args.is_help()) {
       fputs(kUsage, stdout);
       return 0;
-    } else if (arg == "--check" || arg == "--bench" || arg == "--info") {
-      const Options::Mode m = arg == "--check" ? Options::Mode::kCheck : arg == "--bench" ? Options::Mode::kBench : Options::Mode::kInfo;
-      if (o.mode != Options::Mode::kNone && o.mode != m) throw cli::UsageError("--check, --bench and --info exclude each other");
-      o.mode = m;
+    } else if (parse_mode(arg, o.mode)) {
+      // --check, --bench or --info
     } else if (arg == "--quick") {
       o.quick = true;
     } else if (arg == "--seed") {
@@ -967,15 +931,11 @@ int run(int argc, char** argv) {
       throw cli::UsageError("unknown option " + arg);
     }
   }
-  if (o.mode == Options::Mode::kNone) throw cli::UsageError("say what to do: --check, --bench or --info");
-  if (o.quick && o.mode != Options::Mode::kCheck) throw cli::UsageError("--quick goes with --check");
+  require_mode(o.mode, o.quick);
   if (o.count < 1 || o.count > uint64_t{0xffffffffu}) throw cli::UsageError("--count must be in 1..4294967295");
 
   setvbuf(stdout, nullptr, _IOLBF, 0);  // every line reaches the log, even if the time limit ends the process
-  if (o.time_limit > 0) {
-    signal(SIGALRM, on_time_limit);
-    alarm(o.time_limit);
-  }
+  arm_time_limit(kProgram, o.time_limit);
   const std::optional<cudaDeviceProp> prop = open_device(o.device);
   if (!prop) return kExitNoDevice;
   CudaStream s;
