@@ -4,6 +4,7 @@
 #include <string>
 
 #include "kernels/quant.h"
+#include "kernels/stats_columns.h"
 
 namespace lgreco::quant::cuda {
 namespace {
@@ -165,18 +166,7 @@ StatsOutput stats_output(const StatsBatch& b, const StatsLaunch& launch, const c
     for (size_t c = 0; c < launch.candidates.size(); ++c) out.columns[c] = launch.columns[c];
     return out;
   }
-  if (b.columns.size() != b.candidates.size())
-    throw CodecError(std::string(what) + ": " + std::to_string(b.columns.size()) + " output columns for " +
-                     std::to_string(b.candidates.size()) + " candidates");
-  for (size_t c = 0; c < b.columns.size(); ++c) {
-    if (b.columns[c] >= b.row_stride)
-      throw CodecError(std::string(what) + ": candidate " + std::to_string(c) + "'s output column " +
-                       std::to_string(b.columns[c]) + " is not below the row stride " + std::to_string(b.row_stride));
-    for (size_t d = 0; d < c; ++d)
-      if (b.columns[d] == b.columns[c])
-        throw CodecError(std::string(what) + ": candidates " + std::to_string(d) + " and " + std::to_string(c) +
-                         " share output column " + std::to_string(b.columns[c]));
-  }
+  check_stats_columns(b.columns, b.candidates.size(), b.row_stride, what);
   out.row_stride = b.row_stride;
   for (size_t c = 0; c < launch.candidates.size(); ++c) out.columns[c] = b.columns[launch.columns[c]];
   return out;

@@ -5,6 +5,8 @@
 #include <limits>
 #include <string>
 
+#include "kernels/stats_columns.h"
+
 namespace lgreco::topk::cuda::plan {
 namespace {
 
@@ -175,18 +177,7 @@ void check_candidate_params(std::span<const TopkParams> candidates, const char* 
 
 void check_candidates(const StatsBatch& b, const char* what) {
   check_candidate_params(b.candidates, what);
-  if (b.columns.size() != b.candidates.size())
-    throw CodecError(std::string(what) + ": " + std::to_string(b.candidates.size()) + " candidates but " +
-                     std::to_string(b.columns.size()) + " columns");
-  for (size_t c = 0; c < b.columns.size(); ++c) {
-    if (b.columns[c] >= b.row_stride)
-      throw CodecError(std::string(what) + ": candidate " + std::to_string(c) + "'s column " +
-                       std::to_string(b.columns[c]) + " is not below the row stride " + std::to_string(b.row_stride));
-    for (size_t d = 0; d < c; ++d)
-      if (b.columns[d] == b.columns[c])
-        throw CodecError(std::string(what) + ": candidates " + std::to_string(d) + " and " + std::to_string(c) +
-                         " share column " + std::to_string(b.columns[c]));
-  }
+  check_stats_columns(b.columns, b.candidates.size(), b.row_stride, what);
 }
 
 void check_stats(const StatsBatch& b, const std::vector<Table>& tables, const char* what) {

@@ -1091,11 +1091,11 @@ BOOST_AUTO_TEST_CASE(stats_write_into_the_callers_columns) {
   const auto output = [&] { return quant::cuda::stats_output(batch, launches.front(), "quant cuda squared_errors"); };
   const std::vector<uint32_t> too_few = {1, 2}, too_wide = {1, 7, 2}, shared = {4, 2, 4};
   batch.columns = too_few;
-  BOOST_TEST(throws_naming(output, "2 output columns for 3 candidates"));
+  BOOST_TEST(throws_naming(output, "3 candidates but 2 columns"));
   batch.columns = too_wide;
-  BOOST_TEST(throws_naming(output, "candidate 1's output column 7 is not below the row stride 7"));
+  BOOST_TEST(throws_naming(output, "candidate 1's column 7 is not below the row stride 7"));
   batch.columns = shared;
-  BOOST_TEST(throws_naming(output, "candidates 0 and 2 share output column 4"));
+  BOOST_TEST(throws_naming(output, "candidates 0 and 2 share column 4"));
 }
 
 BOOST_AUTO_TEST_CASE(stats_non_finite_inputs) {
