@@ -439,16 +439,6 @@ CodecFamily family_of(const Plan& plan, const Segment& s) { return plan.codecs.a
                          " is not encoded by segments (the low-rank operations run it)");
 }
 
-tk::Job topk_job(const Plan& plan, const Segment& s, uint64_t byte_offset_base) {
-  tk::Job job;
-  job.element_offset = s.offset;
-  job.count = s.count;
-  job.byte_offset = byte_offset_base + s.byte_offset;
-  job.layer = s.layer;
-  job.params = plan.codecs[s.codec].topk_params();
-  return job;
-}
-
 // The fields the quant and TopK kernels' batches share (same names in both families).
 template <class Batch, class Job, class Residual>
 Batch batch_over(const std::vector<Job>& jobs, ElementSpan input, Residual* residual, uint64_t residual_first) {
@@ -488,6 +478,13 @@ tk::Job topk_stats_job(const Segment& s) {
   job.element_offset = s.offset;
   job.count = s.count;
   job.layer = s.layer;
+  return job;
+}
+// A job of TopK's encode or decode: the segment with its payload and density.
+tk::Job topk_job(const Plan& plan, const Segment& s, uint64_t byte_offset_base) {
+  tk::Job job = topk_stats_job(s);
+  job.byte_offset = byte_offset_base + s.byte_offset;
+  job.params = plan.codecs[s.codec].topk_params();
   return job;
 }
 
