@@ -454,6 +454,33 @@ run_ranks() {
   for r in "${pids[@]}"; do wait "$r"; rank_codes+=($?); done
 }
 
+# shim_bench NAME NRANKS SECONDS TITLE LABEL [LGRECO-BENCH ARGS...]: lgreco-bench --fabric
+# nccl on NRANKS ranks (logs $OUT/NAME.rank<R>.log); rank 0's table after the summary under
+# TITLE, and a row LABEL that fails unless every rank exits 0, the bench's own bound check
+# passes ("# Out of bounds values : 0 OK": #wrong 0 and outputs bit-identical across ranks)
+# and it printed result rows.
+shim_bench() {
+  local name=$1 n=$2 t=$3 title=$4 label=$5 log table detail r
+  shift 5
+  run_ranks "$name" "$n" "$t" build/bin/lgreco-bench --fabric nccl "$@"
+  log="$OUT/$name.rank0.log"
+  table="$OUT/$name-table.txt"
+  { echo "== $title =="; grep -v 'LGRECO' "$log"; } > "$table"
+  appendix+=("$table")
+  # Rows: size count type codec time algbw busbw wire_B wire_GB/s rel_err #wrong nccl_us vs_nccl
+  detail=$(awk '!/^#/ && NF == 13 { rows++; if ($11 != "0") bad++; last = $1 " B: " $5 " us, NCCL " $12 " us: " $13 "x, rel_err " $10 }
+                END { printf "%d rows, %d with #wrong > 0; largest %s", rows, bad, last }' "$log")
+  r=PASS
+  if [[ " ${rank_codes[*]} " =~ [^0\ ] ]]; then
+    r=FAIL
+    detail="exit codes ${rank_codes[*]} (124: timed out): $(grep -h -m 1 'error' "$OUT/$name".rank*.log | head -n 1 | cut -c1-120)"
+  elif ! grep -q '^# Out of bounds values : 0 OK' "$log" || ! awk '!/^#/ && NF == 13 { ok = 1 } END { exit !ok }' "$log"; then
+    r=FAIL
+  fi
+  row shim "$label" "$r" "$detail ($name.rank*.log)"
+  fail_if "$r"
+}
+
 section_shim() {
   local cuda rc detail r t nccl n log
   shim_deadline=$((SECONDS + ${LGRECO_GPU_SHIM_SECONDS:-480}))
@@ -477,30 +504,15 @@ section_shim() {
   row shim "NCCL for lgreco-bench" INFO "$nccl"
 
   # 1. lgreco-bench --fabric nccl, 2 and 4 ranks on the one GPU.
-  local table at64 target_row=""
+  local at64 target_row=""
   for n in 2 4; do
     t=$(shim_time 90)
     if [[ $t -eq 0 ]]; then row shim "bench $n ranks" FAIL "skipped: the section ran out of time"; failed=1; continue; fi
-    run_ranks "shim-bench-$n" "$n" "$t" build/bin/lgreco-bench --fabric nccl --nccl-lib "$nccl" \
-      --codec quant:bits=4 -d float -b 1M -e 64M -f 4 -n 10 -w 3 --timeout 60
-    log="$OUT/shim-bench-$n.rank0.log"
-    table="$OUT/shim-bench-$n-table.txt"
-    { echo "== lgreco-bench --fabric nccl, $n ranks on one GPU (rank 0) =="; grep -v 'LGRECO' "$log"; } > "$table"
-    appendix+=("$table")
-    # Rows: size count type codec time algbw busbw wire_B wire_GB/s rel_err #wrong nccl_us vs_nccl
-    detail=$(awk '!/^#/ && NF == 13 { rows++; if ($11 != "0") bad++; last = $1 " B: " $5 " us, NCCL " $12 " us: " $13 "x" }
-                  END { printf "%d rows, %d with #wrong > 0; largest %s", rows, bad, last }' "$log")
-    r=PASS
-    if [[ " ${rank_codes[*]} " =~ [^0\ ] ]]; then
-      r=FAIL
-      detail="exit codes ${rank_codes[*]} (124: timed out): $(grep -h -m 1 'error' "$OUT"/shim-bench-"$n".rank*.log | head -n 1 | cut -c1-120)"
-    elif ! grep -q '^# Out of bounds values : 0 OK' "$log" || ! awk '!/^#/ && NF == 13 { ok = 1 } END { exit !ok }' "$log"; then
-      r=FAIL
-    fi
-    row shim "bench $n ranks: #wrong 0, bit-identical" "$r" "$detail (shim-bench-$n.rank*.log)"
-    fail_if "$r"
+    shim_bench "shim-bench-$n" "$n" "$t" "lgreco-bench --fabric nccl, $n ranks on one GPU (rank 0)" \
+      "bench $n ranks: #wrong 0, bit-identical" \
+      --nccl-lib "$nccl" --codec quant:bits=4 -d float -b 1M -e 64M -f 4 -n 10 -w 3 --timeout 60
     if [[ $n -eq 4 ]]; then
-      at64=$(awk '!/^#/ && NF == 13 && $1 == 67108864 { print $13 }' "$log")
+      at64=$(awk '!/^#/ && NF == 13 && $1 == 67108864 { print $13 }' "$OUT/shim-bench-$n.rank0.log")
       if [[ -z "$at64" ]]; then target_row="missed: no 64 MiB row"
       elif awk -v s="$at64" 'BEGIN { exit !(s >= 3.0) }'; then target_row="met: ${at64}x plain NCCL"
       else target_row="missed: ${at64}x plain NCCL"; fi
@@ -511,29 +523,13 @@ section_shim() {
   # 1b. The other families through the CUDA backend: TopK's kernels and PowerSGD's
   # (cuBLAS), 4 ranks, 16 and 64 MiB. Correct as above (PowerSGD has no per-element bound:
   # rel_err and bit-identity only); their speed against NCCL is reported, not judged.
-  local codec tag
+  local codec
   for codec in topk:density=0.01 powersgd:rank=4; do
-    tag=${codec%%:*}
     t=$(shim_time 60)
     if [[ $t -eq 0 ]]; then row shim "bench 4 ranks $codec" INFO "skipped: the section ran out of time"; continue; fi
-    run_ranks "shim-bench-$tag" 4 "$t" build/bin/lgreco-bench --fabric nccl --nccl-lib "$nccl" \
-      --codec "$codec" -d float -b 16M -e 64M -f 4 -n 10 -w 3 --timeout 50
-    log="$OUT/shim-bench-$tag.rank0.log"
-    table="$OUT/shim-bench-$tag-table.txt"
-    { echo "== lgreco-bench --fabric nccl --codec $codec, 4 ranks on one GPU (rank 0) =="; grep -v 'LGRECO' "$log"; } \
-      > "$table"
-    appendix+=("$table")
-    detail=$(awk '!/^#/ && NF == 13 { rows++; if ($11 != "0") bad++; last = $1 " B: " $5 " us, NCCL " $12 " us: " $13 "x, rel_err " $10 }
-                  END { printf "%d rows, %d with #wrong > 0; largest %s", rows, bad, last }' "$log")
-    r=PASS
-    if [[ " ${rank_codes[*]} " =~ [^0\ ] ]]; then
-      r=FAIL
-      detail="exit codes ${rank_codes[*]} (124: timed out): $(grep -h -m 1 'error' "$OUT"/shim-bench-"$tag".rank*.log | head -n 1 | cut -c1-120)"
-    elif ! grep -q '^# Out of bounds values : 0 OK' "$log" || ! awk '!/^#/ && NF == 13 { ok = 1 } END { exit !ok }' "$log"; then
-      r=FAIL
-    fi
-    row shim "bench 4 ranks $codec: #wrong 0, bit-identical" "$r" "$detail (shim-bench-$tag.rank*.log)"
-    fail_if "$r"
+    shim_bench "shim-bench-${codec%%:*}" 4 "$t" "lgreco-bench --fabric nccl --codec $codec, 4 ranks on one GPU (rank 0)" \
+      "bench 4 ranks $codec: #wrong 0, bit-identical" \
+      --nccl-lib "$nccl" --codec "$codec" -d float -b 16M -e 64M -f 4 -n 10 -w 3 --timeout 50
   done
 
   # 2. Unmodified DDP under LD_PRELOAD (its own per-run timeouts; this one is a backstop).
