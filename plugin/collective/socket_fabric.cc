@@ -878,8 +878,8 @@ void SocketFabric::abort(const std::string& why) {
       // transfers, and shows the peers a closed connection at once; the operation sees
       // the flag, throws, and closes the connections itself.
       for (const Peer& p : peers_) {
-        if (p.send) ::shutdown(p.send->fd(), SHUT_RDWR);
-        if (p.recv) ::shutdown(p.recv->fd(), SHUT_RDWR);
+        if (p.send) p.send->shutdown();
+        if (p.recv) p.recv->shutdown();
       }
       abort_requested_.store(true, std::memory_order_relaxed);
     } else {

@@ -392,6 +392,13 @@ class Connection {
   int sockets() const { return socket_count_; }
   int helper_threads() const { return static_cast<int>(threads_.size()); }
 
+  // Any thread, while another drives the connection: shuts every socket down (its poll
+  // wakes, its transfers fail, the peer sees the connection closed). Reads only the
+  // descriptors, fixed from construction to destruction.
+  void shutdown_sockets() const {
+    for (int i = 0; i < socket_count_; ++i) ::shutdown(sockets_[static_cast<size_t>(i)].fd.get(), SHUT_RDWR);
+  }
+
  private:
   // One socket and the part of a message its driver is moving. Only its driver (test()'s
   // caller, or the helper thread that owns it) touches it, except `seq`, which changes
@@ -425,6 +432,7 @@ class Connection {
   };
 
   bool failed() const { return failed_.load(std::memory_order_acquire); }
+
 
   // Without helper threads: the socket a caller should wait for. One in the middle of a
   // part comes first: socket 0 waiting for the next header while another socket still
@@ -825,6 +833,7 @@ Progress SendComm::test(Request* request, bool* done, uint64_t* size) { return c
 int SendComm::peer_rank() const { return connection_->peer_rank(); }
 const std::string& SendComm::peer_name() const { return connection_->peer_name(); }
 int SendComm::fd() const { return connection_->fd(); }
+void SendComm::shutdown() const { connection_->shutdown_sockets(); }
 short SendComm::poll_events() const { return connection_->poll_events(); }
 CommCounters SendComm::counters() const { return connection_->counters(); }
 const std::string& SendComm::error() const { return connection_->error(); }
@@ -842,6 +851,7 @@ Progress RecvComm::test(Request* request, bool* done, uint64_t* sizes) {
 int RecvComm::peer_rank() const { return connection_->peer_rank(); }
 const std::string& RecvComm::peer_name() const { return connection_->peer_name(); }
 int RecvComm::fd() const { return connection_->fd(); }
+void RecvComm::shutdown() const { connection_->shutdown_sockets(); }
 short RecvComm::poll_events() const { return connection_->poll_events(); }
 CommCounters RecvComm::counters() const { return connection_->counters(); }
 const std::string& RecvComm::error() const { return connection_->error(); }

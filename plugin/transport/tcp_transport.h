@@ -486,6 +486,10 @@ class SendComm {
   // Without helper threads: the socket to poll (the first that waits), and for what.
   // With helper threads: socket 0, and 0 (the threads move the bytes).
   int fd() const;
+  // From any thread, even while another uses this comm: shuts every socket of the
+  // connection down, so that its poll wakes and its transfers fail at once and the peer
+  // sees the connection closed. The comm is unusable after it.
+  void shutdown() const;
   short poll_events() const;  // POLLOUT while messages wait to be sent, else 0
   CommCounters counters() const;
   const std::string& error() const;  // empty unless the connection failed
@@ -518,6 +522,7 @@ class RecvComm {
   int peer_rank() const;
   const std::string& peer_name() const;
   int fd() const;
+  void shutdown() const;  // as SendComm::shutdown
   short poll_events() const;  // POLLIN while receives are posted, else 0
   CommCounters counters() const;
   const std::string& error() const;
