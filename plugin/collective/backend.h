@@ -108,6 +108,25 @@ class Backend {
                                 ElementSpan acc) = 0;
   // acc[i] = acc[i] / divisor for n float32 values (the average of ncclAvg).
   virtual void divide(float* acc, uint64_t n, float divisor) = 0;
+
+  // Copies runs of elements into one float32 array: for each run and i < run.count,
+  // dst[run.to + i] = scale x src element (run.from + i), or += with `accumulate`. A source
+  // element outside [src.first, src_end) counts as 0 (an owner residual covers its
+  // partition only). The error probe (plugin/collective/probe.h) collects its samples so.
+  struct Run {
+    uint64_t from = 0;   // first source element (in src's element numbering)
+    uint64_t to = 0;     // first destination element
+    uint64_t count = 0;  // elements
+  };
+  virtual void gather(std::span<const Run> runs, ElementSpan src, uint64_t src_end, float scale, bool accumulate,
+                      float* dst) = 0;
+  // For each segment s: sum over its elements i of |a[i] - b[i]|^power (power 1 or 2) in
+  // double, a of any element type, b float32 (null: 0), both indexed by element - a.first;
+  // times weight, ADDED to out[s.layer]. A segment whose sum is not finite sets
+  // nonfinite[s.layer] = 1 and adds nothing. Segments of one layer may be several; the
+  // caller zeroes both arrays.
+  virtual void distance(std::span<const Segment> segments, ElementSpan a, const float* b, int power, double weight,
+                        double* out, uint8_t* nonfinite) = 0;
   // out[i] = acc[i] narrowed to out's element type (round to nearest even).
   virtual void narrow(const float* acc, uint64_t n, ElementSpan out) = 0;
 
@@ -141,6 +160,9 @@ class Backend {
   // Likewise for encode() on any segments of `plan` (CUDA: the TopK selection's scratch).
   // Throws std::bad_alloc, or CodecError for a segment the backend's kernels cannot take.
   virtual void prepare_encode(const Plan& plan) { (void)plan; }
+  // Likewise for encode() and distance() on any segments of `plan` (the error
+  // probe's simulation: CUDA needs scratch for the distances' partial sums too).
+  virtual void prepare_probe(const Plan& plan) { prepare_encode(plan); }
 
   // Low-rank (PowerSGD) layers, exchanged apart (docs/ENGINE.md): per step, with M the
   // layer's input + residual as a rows x cols row-major matrix (no residual where the

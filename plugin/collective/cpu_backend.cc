@@ -1,7 +1,8 @@
 #include "plugin/collective/cpu_backend.h"
 
-#include <chrono>
 #include <algorithm>
+#include <chrono>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -129,6 +130,34 @@ void CpuBackend::accumulate_exact(const Plan&, std::span<const Segment> segments
 
 void CpuBackend::divide(float* acc, uint64_t n, float divisor) {
   for (uint64_t i = 0; i < n; ++i) acc[i] = quant::canonical_nan(acc[i] / divisor);
+}
+
+void CpuBackend::gather(std::span<const Run> runs, ElementSpan src, uint64_t src_end, float scale, bool accumulate,
+                        float* dst) {
+  for (const Run& r : runs)
+    for (uint64_t i = 0; i < r.count; ++i) {
+      const uint64_t e = r.from + i;
+      const float v = e >= src.first && e < src_end ? scale * load_as_float(element_ptr(src, e), src.dtype, 0) : 0.0f;
+      float& d = dst[r.to + i];
+      d = accumulate ? quant::canonical_nan(d + v) : quant::canonical_nan(v);
+    }
+}
+
+void CpuBackend::distance(std::span<const Segment> segments, ElementSpan a, const float* b, int power, double weight,
+                          double* out, uint8_t* nonfinite) {
+  if (power != 1 && power != 2) throw std::invalid_argument("cpu backend distance: power " + std::to_string(power));
+  for (const Segment& s : segments) {
+    const void* x = element_ptr(a, s.offset);
+    const float* y = b ? b + (s.offset - a.first) : nullptr;
+    double sum = 0;
+    for (uint64_t i = 0; i < s.count; ++i) {
+      const double v = load_as_float(x, a.dtype, i);
+      const double d = y ? v - static_cast<double>(y[i]) : v;
+      sum += power == 2 ? d * d : std::fabs(d);
+    }
+    if (std::isfinite(sum)) out[s.layer] += weight * sum;
+    else nonfinite[s.layer] = 1;
+  }
 }
 
 void CpuBackend::narrow(const float* acc, uint64_t n, ElementSpan out) {

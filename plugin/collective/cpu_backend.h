@@ -38,6 +38,10 @@ class CpuBackend final : public Backend {
                         uint64_t residual_first, const uint8_t* flags, ElementSpan acc) override;
   void divide(float* acc, uint64_t n, float divisor) override;
   void narrow(const float* acc, uint64_t n, ElementSpan out) override;
+  void gather(std::span<const Run> runs, ElementSpan src, uint64_t src_end, float scale, bool accumulate,
+              float* dst) override;
+  void distance(std::span<const Segment> segments, ElementSpan a, const float* b, int power, double weight, double* out,
+                uint8_t* nonfinite) override;
   void measure(const Plan& plan, std::span<const Segment> segments, ElementSpan input, const float* residual,
                uint64_t residual_first, const Measure& m) override;
   void lowrank_project(std::span<const LowRankLayer> layers, ElementSpan input, const float* residual,

@@ -389,6 +389,80 @@ __global__ void __launch_bounds__(kThreads) narrow_kernel(const float* acc, uint
   for (uint64_t i = thread_index(); i < n; i += thread_stride()) store_from_float(out, out_dtype, i, acc[i]);
 }
 
+// gather: runs travel in the parameters as segments do; block row y copies run y.
+struct RunTable {
+  uint32_t count;
+  uint32_t pad;
+  collective::Backend::Run runs[kMaxSegmentsPerLaunch];
+};
+static_assert(sizeof(RunTable) <= 2100, "kernel parameters are limited to 4 KB with the arguments");
+
+struct GatherArgs {
+  const void* src;
+  uint64_t src_first, src_end;
+  float* dst;
+  float scale;
+  DType src_dtype;
+  uint8_t accumulate;
+};
+
+// CpuBackend::gather: dst[to + i] (+)= scale x src[from + i], 0 outside [src_first, src_end).
+__global__ void __launch_bounds__(kThreads) gather_kernel(const __grid_constant__ RunTable t,
+                                                          const __grid_constant__ GatherArgs a) {
+  const collective::Backend::Run& r = t.runs[blockIdx.y];
+  for (uint64_t i = thread_index(); i < r.count; i += thread_stride()) {
+    const uint64_t e = r.from + i;
+    const float v = e >= a.src_first && e < a.src_end
+                        ? quant::f32_mul(a.scale, load_as_float(a.src, a.src_dtype, e - a.src_first))
+                        : 0.0f;
+    float* d = a.dst + r.to + i;
+    *d = a.accumulate ? add_canonical(*d, v) : quant::canonical_nan(v);
+  }
+}
+
+struct DistanceArgs {
+  const void* a;
+  const float* b;  // null: 0
+  uint64_t first;
+  double* partial;  // one per table entry (the kernels' scratch)
+  DType a_dtype;
+  int power;  // 1 or 2
+};
+
+// distance, first pass: one block per segment sums its differences' powers in
+// double, each thread over a fixed stride, then a tree in shared memory: a fixed order for
+// a fixed block size, so the result is deterministic.
+__global__ void __launch_bounds__(kThreads) distance_kernel(const __grid_constant__ SegmentTable t,
+                                                            const __grid_constant__ DistanceArgs a) {
+  __shared__ double sums[kThreads];
+  const SegmentJob& j = t.jobs[blockIdx.x];
+  const uint64_t base = j.offset - a.first;
+  double sum = 0;
+  for (uint64_t i = threadIdx.x; i < j.count; i += blockDim.x) {
+    const double v = load_as_float(a.a, a.a_dtype, base + i);
+    const double d = a.b ? v - static_cast<double>(a.b[base + i]) : v;
+    sum += a.power == 2 ? d * d : fabs(d);
+  }
+  sums[threadIdx.x] = sum;
+  __syncthreads();
+  for (uint32_t half = blockDim.x / 2; half > 0; half /= 2) {
+    if (threadIdx.x < half) sums[threadIdx.x] += sums[threadIdx.x + half];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) a.partial[blockIdx.x] = sums[0];
+}
+
+// Second pass, one thread: the table's sums into their layers' rows in table order (jobs
+// of one layer never race), or the layer's nonfinite byte.
+__global__ void distance_add_kernel(const __grid_constant__ SegmentTable t, const double* partial, double weight,
+                                    double* out, uint8_t* nonfinite) {
+  for (uint32_t i = 0; i < t.count; ++i) {
+    const double v = partial[i];
+    if (isfinite(v)) out[t.jobs[i].layer] += weight * v;
+    else nonfinite[t.jobs[i].layer] = 1;
+  }
+}
+
 dim3 table_grid(uint64_t max_count, uint32_t segments) {
   const uint64_t blocks = std::clamp<uint64_t>((max_count + kThreads - 1) / kThreads, 1, kMaxBlocksPerSegment);
   return dim3(static_cast<uint32_t>(blocks), segments);
@@ -906,6 +980,53 @@ void CudaBackend::narrow(const float* acc, uint64_t n, ElementSpan out) {
   DType dtype = out.dtype;
   qc::launch_kernel(narrow_kernel, flat_grid(n), kThreads, stream_, "the backend's narrow kernel", acc, n, data, dtype);
   enqueued("narrow");
+}
+
+void CudaBackend::gather(std::span<const Run> runs, ElementSpan src, uint64_t src_end, float scale, bool accumulate,
+                         float* dst) {
+  if (runs.empty()) return;
+  DeviceGuard guard(device_);
+  const GatherArgs args{src.data, src.first, src_end, dst, scale, src.dtype, static_cast<uint8_t>(accumulate)};
+  RunTable t;
+  t.count = 0;
+  t.pad = 0;
+  uint64_t longest = 0;
+  const auto flush = [&] {
+    if (t.count == 0) return;
+    qc::launch_kernel(gather_kernel, table_grid(longest, t.count), kThreads, stream_, "the backend's gather kernel", t,
+                      args);
+    t.count = 0;
+    longest = 0;
+  };
+  for (const Run& r : runs) {
+    if (r.count == 0) continue;
+    t.runs[t.count++] = r;
+    longest = std::max(longest, r.count);
+    if (t.count == kMaxSegmentsPerLaunch) flush();
+  }
+  flush();
+  enqueued("gather");
+}
+
+void CudaBackend::distance(std::span<const Segment> segments, ElementSpan a, const float* b, int power, double weight,
+                           double* out, uint8_t* nonfinite) {
+  if (segments.empty()) return;
+  if (power != 1 && power != 2) throw std::invalid_argument("cuda backend distance: power " + std::to_string(power));
+  for (const Segment& s : segments) require_after(s, a.first, "distance", "input");
+  DeviceGuard guard(device_);
+  auto* partial = static_cast<double*>(scratch_for(kMaxSegmentsPerLaunch * sizeof(double), "distance"));
+  const DistanceArgs args{a.data, b, a.first, partial, a.dtype, power};
+  for_each_table(segments, 0, false, [&](const SegmentTable& t, dim3) {
+    qc::launch_kernel(distance_kernel, dim3(t.count), kThreads, stream_, "the backend's distance kernel", t, args);
+    qc::launch_kernel(distance_add_kernel, dim3(1), 1, stream_, "the backend's distance sum kernel", t,
+                      static_cast<const double*>(partial), weight, out, nonfinite);
+  });
+  enqueued("distance");
+}
+
+void CudaBackend::prepare_probe(const Plan& plan) {
+  prepare_encode(plan);
+  grow_scratch(kMaxSegmentsPerLaunch * sizeof(double));
 }
 
 void CudaBackend::grow_scratch(uint64_t bytes) {

@@ -102,6 +102,15 @@ class CudaBackend final : public StreamBackend {
                         const uint8_t* flags, collective::ElementSpan acc) override;
   void divide(float* acc, uint64_t n, float divisor) override;
   void narrow(const float* acc, uint64_t n, collective::ElementSpan out) override;
+  // The error probe's two operations: gather (runs in the kernel's parameters, 64 per
+  // launch) and distance (one block per segment, then its layers' rows in segment order:
+  // deterministic; the partial sums use the kernels' scratch, grown by prepare_probe,
+  // which also prepares encode() for the plan).
+  void gather(std::span<const Run> runs, collective::ElementSpan src, uint64_t src_end, float scale, bool accumulate,
+              float* dst) override;
+  void distance(std::span<const collective::Segment> segments, collective::ElementSpan a, const float* b, int power,
+                double weight, double* out, uint8_t* nonfinite) override;
+  void prepare_probe(const collective::Plan& plan) override;
   // prepare_measure grows the kernels' scratch (device memory the backend owns,
   // counted in device_bytes and the cap) to what measure() could need on ANY segments of
   // the plan with these candidates, so that measure() allocates nothing; throws

@@ -53,6 +53,14 @@ class HostBackend final : public StreamBackend {
   }
   void divide(float* acc, uint64_t n, float divisor) override { cpu_.divide(acc, n, divisor); }
   void narrow(const float* acc, uint64_t n, collective::ElementSpan out) override { cpu_.narrow(acc, n, out); }
+  void gather(std::span<const Run> runs, collective::ElementSpan src, uint64_t src_end, float scale, bool accumulate,
+              float* dst) override {
+    cpu_.gather(runs, src, src_end, scale, accumulate, dst);
+  }
+  void distance(std::span<const collective::Segment> segments, collective::ElementSpan a, const float* b, int power,
+                double weight, double* out, uint8_t* nonfinite) override {
+    cpu_.distance(segments, a, b, power, weight, out, nonfinite);
+  }
   void measure(const collective::Plan& plan, std::span<const collective::Segment> segments,
                collective::ElementSpan input, const float* residual, uint64_t residual_first,
                const Measure& m) override {
