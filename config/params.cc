@@ -221,6 +221,23 @@ const ParamInfo kParamTable[] = {
     {"LGRECO_SWITCH_LAG", "3", "a whole number >= 1; window + lag <= period + 1",
      "Steps between the end of a window and the switch to its solution, on every rank.",
      U64(switch_lag, 1, kMaxSteps)},
+    {"LGRECO_PROBE_LEAD", "10", "a whole number from 0 to 100000",
+     "Steps before each measurement window in which the error probe already runs, so that every candidate's "
+     "shadow error feedback has settled when the window measures it (docs/ENGINE.md).",
+     U64(probe_lead, 0, 100000)},
+    {"LGRECO_PROBE_FRACTION", "0.0625", "a number > 0 and <= 1",
+     "The share of each adaptive layer's codec buckets (at least 8 of them, or all of a smaller layer) on which "
+     "the error probe simulates every candidate under its own error feedback and measures the realized error. "
+     "Its exchange sends 8 bytes per sampled value at each probe step.",
+     [](Params& p, const std::string& v) { return parse_real(v, 0, 1, false, &p.probe_fraction); }},
+    {"LGRECO_BUDGET_LOOP", "1", "`0`, `1`",
+     "`1`: after each window the controller compares the error the assignment in effect realized with what it "
+     "predicted, and solves the next with alpha divided by that bias (at once when the realized error was higher, "
+     "halfway back when lower, never above alpha or below alpha / 4; docs/CONTROLLER.md). `0`: every solve uses "
+     "`LGRECO_ALPHA`.",
+     [](Params& p, const std::string& v) {
+       return parse_choice(v, {std::pair{"0", false}, {"1", true}}, &p.budget_loop);
+     }},
     {"LGRECO_SOLVER_TOLERANCE", "0.001", "a number > 0 and < 1",
      "The relative optimality gap at which the solver may stop (it reports the gap it proved).",
      [](Params& p, const std::string& v) { return parse_real(v, 0, 0.999999, false, &p.solver_tolerance); }},

@@ -50,6 +50,9 @@ struct Params {
   std::string error_metric = "squared";  // squared | l2 (controller/stats.h)
   uint64_t warmup = 100, period = 100, window = 10, switch_lag = 3;
   double solver_tolerance = 1e-3;
+  uint64_t probe_lead = 10;
+  double probe_fraction = 0.0625;
+  bool budget_loop = true;
   uint64_t min_bytes = 256 * 1024;
   uint64_t segment_bytes = 1024 * 1024;
   uint64_t max_memory = 0;             // bytes per communicator; 0: no cap

@@ -9,6 +9,10 @@
 //   warmup=100 period=100 window=10 switch_lag=3:
 //   measure 90..99 -> solve -> switch at 102; measure 190..199 -> switch at 202; ...
 //
+// The engine's error probe (plugin/collective/probe.h) runs during each window and the
+// `probe_lead` steps before it (80..99, 180..199, ... with a lead of 10): its shadow
+// residuals reach their own codec's steady state before the window measures them.
+//
 // Rules that the constructor enforces:
 //   warmup >= 2        nothing layout-dependent before DDP's rebuilt buckets (step 1);
 //                      the first window never includes step 0 (it is clipped to 1..)
@@ -27,6 +31,7 @@ struct ScheduleSettings {
   uint64_t period = 100;
   uint64_t window = 10;
   uint64_t switch_lag = 3;
+  uint64_t probe_lead = 10;
 };
 
 class Schedule {
@@ -37,6 +42,8 @@ class Schedule {
   const ScheduleSettings& settings() const { return settings_; }
   // Whether candidate errors are measured at this step.
   bool measures(uint64_t step) const;
+  // Whether the error probe runs at this step: a window's steps and the probe_lead before.
+  bool probes(uint64_t step) const;
   // Whether this step is the last of a window: after it, aggregate and submit.
   bool window_ends(uint64_t step) const;
   // The first step that uses the assignment solved from a window ending at this step.

@@ -12,7 +12,8 @@ ControllerSettings settings_from_params(const config::Params& p, int rank) {
     throw std::invalid_argument("LGRECO_OBJECTIVE=" + p.objective + ": not an objective");
   if (!parse_metric(p.error_metric, &s.metric))
     throw std::invalid_argument("LGRECO_ERROR_METRIC=" + p.error_metric + ": not a metric");
-  s.schedule = ScheduleSettings{p.warmup, p.period, p.window, p.switch_lag};
+  s.schedule = ScheduleSettings{p.warmup, p.period, p.window, p.switch_lag, p.probe_lead};
+  s.budget_loop = p.budget_loop;
   if (const std::string e = config::schedule_error(p); !e.empty()) throw std::invalid_argument(e);
   s.solver.tolerance = p.solver_tolerance;
   if (!p.decision_log.empty()) {

@@ -30,27 +30,47 @@ bool parse_metric(std::string_view text, ErrorMetric* metric) {
 ErrorStats::ErrorStats(std::vector<uint32_t> candidates_per_layer, ErrorMetric metric) : metric_(metric) {
   first_.push_back(0);
   for (uint32_t n : candidates_per_layer) first_.push_back(first_.back() + n);
-  samples_offset_ = first_.back();
+  simulated_ = first_.back();
+  reference_ = 2 * first_.back();
+  realized_ = 3 * first_.back();
+  magnitude_ = realized_ + layers();
+  samples_offset_ = magnitude_ + layers();
   data_.assign(samples_offset_ + 2 * layers(), 0.0);
+  scale_.assign(layers(), 1.0);
 }
 
-bool ErrorStats::add(size_t layer, std::span<const double> squared_errors) {
+void ErrorStats::set_sample_scale(size_t layer, double scale) {
+  if (layer >= layers() || !(scale >= 1) || !std::isfinite(scale))
+    throw std::invalid_argument("ErrorStats::set_sample_scale: layer " + std::to_string(layer) + ", scale " +
+                                std::to_string(scale));
+  scale_[layer] = scale;
+}
+
+bool ErrorStats::add(size_t layer, const Sample& s) {
   if (layer >= layers())
     throw std::invalid_argument("ErrorStats::add: layer " + std::to_string(layer) + " of " + std::to_string(layers()));
-  if (squared_errors.size() != candidates(layer))
-    throw std::invalid_argument("ErrorStats::add: layer " + std::to_string(layer) + " measures " +
-                                std::to_string(candidates(layer)) + " candidates, got " +
-                                std::to_string(squared_errors.size()));
-  const bool usable =
-      std::all_of(squared_errors.begin(), squared_errors.end(), [](double e) { return std::isfinite(e) && e >= 0; });
-  if (!usable) {
+  const uint32_t n = candidates(layer);
+  if (s.measured.size() != n || (!s.simulated.empty() && s.simulated.size() != n) ||
+      (!s.reference.empty() && s.reference.size() != n))
+    throw std::invalid_argument("ErrorStats::add: layer " + std::to_string(layer) + " measures " + std::to_string(n) +
+                                " candidates, got " + std::to_string(s.measured.size()) + ", " +
+                                std::to_string(s.simulated.size()) + ", " + std::to_string(s.reference.size()));
+  const auto finite = [](double e) { return std::isfinite(e) && e >= 0; };
+  const auto all_finite = [&](std::span<const double> v) { return std::all_of(v.begin(), v.end(), finite); };
+  if (!all_finite(s.measured) || !all_finite(s.simulated) || !all_finite(s.reference) || !finite(s.realized) ||
+      !finite(s.magnitude)) {
     data_[samples_offset_ + layers() + layer] += 1;
     return false;
   }
-  double* sums = &data_[first_[layer]];
-  for (size_t c = 0; c < squared_errors.size(); ++c)
-    sums[c] += metric_ == ErrorMetric::kL2 ? std::sqrt(squared_errors[c]) : squared_errors[c];
-  data_[samples_offset_ + layer] += 1;
+  const auto metric = [this](double e) { return metric_ == ErrorMetric::kL2 ? std::sqrt(e) : e; };
+  for (uint32_t c = 0; c < n; ++c) {
+    data_[first_[layer] + c] += metric(s.measured[c]);
+    if (!s.simulated.empty()) data_[simulated_ + first_[layer] + c] += metric(s.simulated[c]);
+    if (!s.reference.empty()) data_[reference_ + first_[layer] + c] += metric(s.reference[c]);
+  }
+  data_[realized_ + layer] += metric(s.realized);
+  data_[magnitude_ + layer] += s.magnitude;
+  if (s.counted) data_[samples_offset_ + layer] += 1;
   return true;
 }
 
@@ -70,7 +90,31 @@ uint64_t ErrorStats::skipped(size_t layer) const {
 
 double ErrorStats::mean(size_t layer, uint32_t candidate) const {
   const double n = data_[samples_offset_ + layer];
-  return n > 0 ? data_[first_[layer] + candidate] / n : 0.0;
+  if (!(n > 0)) return 0.0;
+  const double measured = measured_sum(layer, candidate), simulated = simulated_sum(layer, candidate),
+               reference = reference_sum(layer, candidate);
+  if (simulated > 0 && reference > 0 && measured > 0) return measured / n * (simulated / reference);
+  if (simulated > 0 && !(measured > 0)) return simulated * scale_[layer] / n;
+  return measured / n;
+}
+
+double ErrorStats::magnitude_mean(size_t layer) const {
+  const double n = data_[samples_offset_ + layer];
+  return n > 0 ? data_[magnitude_ + layer] / n : 0.0;
+}
+
+double ErrorStats::measured_mean(size_t layer, uint32_t candidate) const {
+  const double n = data_[samples_offset_ + layer];
+  return n > 0 ? measured_sum(layer, candidate) / n : 0.0;
+}
+
+double ErrorStats::realized_mean(size_t layer, uint32_t current) const {
+  const double n = data_[samples_offset_ + layer];
+  if (!(n > 0)) return 0.0;
+  const double realized = realized_sum(layer), measured = measured_sum(layer, current),
+               reference = reference_sum(layer, current);
+  if (reference > 0 && measured > 0) return measured / n * (realized / reference);
+  return realized * scale_[layer] / n;
 }
 
 }  // namespace lgreco::controller

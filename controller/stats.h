@@ -1,16 +1,27 @@
 // Error statistics of the candidates over a measurement window.
 //
-// Each sample is one layer on one rank at one step: the squared L2 error of every
-// candidate on the error-feedback-corrected gradient x = g + residual (what
-// measure_candidates() in kernels/codec.h returns). A sample holding a non-finite value
-// (an AMP overflow step) is skipped and counted, never summed.
+// Each sample is one layer at one step. It holds, per candidate, the squared L2 error
+// that the candidate makes on x = g + residual, in up to three measurements (the engine's:
+// docs/ENGINE.md, "Statistics and the controller"):
+//   measured   on the whole layer, in the real state of the run (the residual the
+//              current codecs left), as measure_candidates() in kernels/codec.h measures;
+//   simulated  on the error probe's sample of the layer, the candidate under its OWN
+//              error feedback (plugin/collective/probe.h);
+//   reference  on the same sample, measured as `measured` is (the real state);
+// and the realized error of the step on the sample. A candidate's estimate is
+// measured x simulated / reference (window sums): the whole layer in the candidate's own
+// state. Without a simulation (low-rank candidates; callers that only measure) it is
+// `measured`; without a measurement on the whole layer, simulated x the layer's
+// sample_scale (numel / sampled values). A sample holding a non-finite value (an AMP
+// overflow step) is skipped and counted, never summed.
 //
-// Several ranks: each rank accumulates its own samples; the engine then sums the
-// accumulators elementwise across ranks (reduction_buffer(), an allreduce with SUM over
-// doubles that gives every rank the same bits) and hands the sum to the controller. The
-// controller divides by the number of samples behind each layer, so it solves on means
-// per (step, rank), and because every rank holds the same sums every rank solves the
-// same problem.
+// Several ranks: each rank accumulates its own samples, or shares of a sample that
+// another rank counts (the engine's ranks each measure their part of a layer; the probe
+// runs on one rank per layer); the engine then sums the accumulators elementwise across
+// ranks (reduction_buffer(), an allreduce with SUM over doubles that gives every rank the
+// same bits) and hands the sum to the controller. The controller divides by the number of
+// samples behind each layer, so it solves on means per step, and because every rank
+// holds the same sums every rank solves the same problem.
 //
 // The metric turns a sample into the number the solver adds across layers:
 //   kSquaredL2 (default): ||x - C(x)||^2. Squared errors of independent layers add up to
@@ -39,10 +50,28 @@ class ErrorStats {
   uint32_t candidates(size_t layer) const { return first_[layer + 1] - first_[layer]; }
   ErrorMetric metric() const { return metric_; }
 
-  // One sample of `layer`: squared errors, one per candidate. Returns false (and counts it
-  // as skipped) when a value is negative, NaN or infinite. Throws std::invalid_argument on
-  // a wrong layer index or candidate count.
-  bool add(size_t layer, std::span<const double> squared_errors);
+  // One sample of `layer`, or a share of one. `measured` has one value per candidate;
+  // `simulated` and `reference` one per candidate or none (not measured so). With
+  // counted = false the values add to a sample another rank counts. Returns false (and
+  // counts it as skipped) when a value is negative, NaN or infinite. Throws
+  // std::invalid_argument on a wrong layer index or candidate count.
+  struct Sample {
+    std::span<const double> measured, simulated, reference;
+    double realized = 0;
+    double magnitude = 0;  // the gradient's sum of |g| (a share: this rank's), for drift
+    bool counted = true;
+  };
+  bool add(size_t layer, const Sample& sample);
+  // A sample with `measured` alone.
+  bool add(size_t layer, std::span<const double> squared_errors) {
+    Sample s;
+    s.measured = squared_errors;
+    return add(layer, s);
+  }
+
+  // numel / sampled values of a layer's probe sample (1 by default): not part of the
+  // reduction; every rank sets the same.
+  void set_sample_scale(size_t layer, double scale);
 
   // Elementwise sum with another accumulator of the same shape (what the engine's
   // allreduce does across ranks). Throws std::invalid_argument on a shape mismatch.
@@ -53,11 +82,25 @@ class ErrorStats {
   // Samples summed for a layer, and skipped ones.
   uint64_t samples(size_t layer) const;
   uint64_t skipped(size_t layer) const;
-  // Mean metric value of a candidate over the layer's samples; 0 without samples.
+  // The estimate of a candidate's metric per step (above); 0 without samples.
   double mean(size_t layer, uint32_t candidate) const;
+  // The realized error per step of the layer, scaled to the whole layer as the estimate of
+  // `current`, the candidate in effect, is: measured x realized / reference; 0 without
+  // samples.
+  double realized_mean(size_t layer, uint32_t current) const;
+  // The window sums of one measurement of a candidate (for tests and diagnostics).
+  double measured_sum(size_t layer, uint32_t candidate) const { return data_[first_[layer] + candidate]; }
+  double simulated_sum(size_t layer, uint32_t candidate) const { return data_[simulated_ + first_[layer] + candidate]; }
+  double reference_sum(size_t layer, uint32_t candidate) const { return data_[reference_ + first_[layer] + candidate]; }
+  double realized_sum(size_t layer) const { return data_[realized_ + layer]; }
+  // `measured` per step: the candidate on the real state of the whole layer now.
+  double measured_mean(size_t layer, uint32_t candidate) const;
+  // The gradient's sum of |g| per step (summed over ranks); 0 without samples.
+  double magnitude_mean(size_t layer) const;
 
-  // The accumulator's state as one flat array of doubles: per-candidate sums, then
-  // per-layer sample counts, then skipped counts. Summing these elementwise across ranks
+  // The accumulator's state as one flat array of doubles: the measured, simulated and
+  // reference sums per candidate, the realized and magnitude sums, the sample counts and
+  // the skipped counts per layer. Summing these elementwise across ranks
   // (counts stay exact below 2^53) is the whole aggregation.
   std::span<double> reduction_buffer() { return data_; }
   std::span<const double> reduction_buffer() const { return data_; }
@@ -66,7 +109,8 @@ class ErrorStats {
   std::vector<uint32_t> first_;  // candidate sums of layer l start at first_[l]
   ErrorMetric metric_;
   std::vector<double> data_;
-  size_t samples_offset_ = 0;
+  size_t simulated_ = 0, reference_ = 0, realized_ = 0, magnitude_ = 0, samples_offset_ = 0;
+  std::vector<double> scale_;  // per layer
 };
 
 }  // namespace lgreco::controller

@@ -18,6 +18,9 @@ namespace {
 // can alias the sra part's buffers.
 enum Scratch : int {
   kSend = 0, kRecv, kAcc, kReencoded, kGathered, kStats, kPartSend, kPartGathered, kPartAcc, kLowRankP, kLowRankQ,
+  // The error probe's staging (BucketProbe::Buffers), shared by the buckets.
+  kProbeSend, kProbeRecv, kProbeInputs, kProbeSum, kProbeError, kProbePayload, kProbeFlags, kProbeX, kProbeOwner,
+  kProbeOwnerSum, kProbeExact, kProbeOut,
   kScratchCount
 };
 
@@ -121,7 +124,11 @@ EngineOptions EngineOptions::from_params(const config::Params& p, int rank) {
   t += " schedule=" + std::to_string(p.warmup) + "/" + std::to_string(p.period) + "/" + std::to_string(p.window) +
        "/" + std::to_string(p.switch_lag);
   snprintf(number, sizeof number, "%a", p.solver_tolerance);
-  t += std::string(" tolerance=") + number + " error_feedback=" + (p.error_feedback ? "1" : "0") +
+  t += std::string(" tolerance=") + number;
+  o.probe.fraction = p.probe_fraction;
+  snprintf(number, sizeof number, "%a", p.probe_fraction);
+  t += std::string(" probe=") + number + "/" + std::to_string(p.probe_lead) + " loop=" + (p.budget_loop ? "1" : "0");
+  t += std::string(" error_feedback=") + (p.error_feedback ? "1" : "0") +
        " algorithm=" + p.algorithm + " min_bytes=" + std::to_string(p.min_bytes) +
        " segment_bytes=" + std::to_string(p.segment_bytes) + " auto=" + (p.auto_mode ? "1" : "0");
   return o;
@@ -176,13 +183,36 @@ BucketLayout layout_from_registration(const config::RegisteredBucket& bucket, co
 // ---------------------------------------------------------------------------------------
 // Per-bucket state
 
-// One measured call's candidate errors on their way to the host.
+// One measured call's errors on their way to the host. Its buffer, for L layers and C
+// candidate columns: three tables of L x C doubles (the candidates measured on this
+// rank's part of the whole layers, simulated and measured on the sample by the error
+// probe), the realized error on the sample (L doubles), then flags: the whole-layer
+// measurement's non-finite layers (L bytes), the simulation's (L x C), the sample
+// measurement's and the realized error's (L each); then the gradient's magnitude on this
+// rank (L doubles: sum of |g| of each layer's input, what the controller tracks drift by).
 struct Engine::Sample {
   uint32_t bucket = 0;
-  uint64_t bytes = 0;  // squared errors (layers x candidates, doubles), then a flag per layer
+  uint64_t bytes = 0;
   std::unique_ptr<Backend::Buffer> device, host;
   std::unique_ptr<Event> ready;  // the read-back from device to host
-  Backend::Measure measure;      // where the backend adds this call's errors
+  Backend::Measure measure;      // where the backend adds this call's whole-layer errors
+  ProbeOutput probe;             // where the error probe writes
+  double* magnitude = nullptr;   // where the layers' magnitude goes
+
+  struct Layout {
+    uint64_t measured = 0, simulated, reference, realized, nonfinite, simulated_nonfinite, reference_nonfinite,
+             realized_nonfinite, magnitude, bytes;
+    Layout(uint64_t layers, uint64_t columns)
+        : simulated(layers * columns * sizeof(double)),
+          reference(2 * simulated),
+          realized(3 * simulated),
+          nonfinite(realized + layers * sizeof(double)),
+          simulated_nonfinite(nonfinite + layers),
+          reference_nonfinite(simulated_nonfinite + layers * columns),
+          realized_nonfinite(reference_nonfinite + layers),
+          magnitude((realized_nonfinite + layers + 7) / 8 * 8),
+          bytes(magnitude + layers * sizeof(double)) {}
+  };
 };
 
 // The marks around one call's exchanges and codec operations, read when the queue has
@@ -266,6 +296,8 @@ struct Engine::BucketState {
   // Adaptive layers by the exchange of their current codec (1 = measured in that group):
   // reduced by sra, or not (gathered or low rank).
   std::vector<uint8_t> measured_reduce, measured_unreduced;
+  // The error probe of the adaptive layers (null without a controller or such layers).
+  std::unique_ptr<BucketProbe> probe;
   // Low rank (docs/ENGINE.md): the layers whose codec is powersgd now, with offsets into
   // P and Q; their warm-started Q and the seeded Q0 it restarts from; the floats of P and
   // Q per call. lowrank_measured: the adaptive layers with a powersgd candidate.
@@ -336,13 +368,23 @@ Engine::Engine(EngineOptions options, std::vector<BucketLayout> buckets, Fabric&
       settings.cost_model.link.bandwidth = 1e9;
     try {
       controller_ = std::make_unique<controller::Controller>(settings, std::move(layers));
-      stats_.emplace(controller_->new_stats());
     } catch (const std::invalid_argument& e) {
       // Settings the parameter check let through but the controller refuses: this rank
       // still takes part in the agreement, as one whose configuration is invalid.
       options_.valid = false;
       options_.invalid_reason = std::string("the controller refuses its settings: ") + e.what();
     }
+  }
+  if (controller_) {
+    ProbeSettings probe = options_.probe;
+    probe.seed = options_.seed;
+    for (size_t b = 0; b < buckets_.size(); ++b) {
+      BucketState& s = *state_of_[b];
+      if (std::find(s.measured.begin(), s.measured.end(), 1) == s.measured.end()) continue;
+      s.probe = std::make_unique<BucketProbe>(buckets_[b], static_cast<uint32_t>(b), s.measured, s.columns,
+                                              measured_candidates_, fabric_.size(), fabric_.rank(), probe);
+    }
+    stats_.emplace(new_window_stats());
   }
   // The agreement's records: allocated here, so that comparing configurations can never
   // fail on one rank alone.
@@ -364,6 +406,24 @@ std::vector<float> Engine::residual_snapshot(uint32_t bucket) const {
   out.resize(buckets_[bucket].count);
   backend_.read_back(out.data(), b.residual->data(), out.size() * 4)->wait();
   return out;
+}
+
+std::pair<uint64_t, std::vector<float>> Engine::owner_residual_snapshot(uint32_t bucket) const {
+  const BucketState& b = *state_of_.at(bucket);
+  std::pair<uint64_t, std::vector<float>> out{b.owner_begin, {}};
+  if (!b.owner_residual || b.algorithm != Algorithm::kScatterReduceAllGather) return out;
+  out.second.resize(b.owner_end - b.owner_begin);
+  backend_.read_back(out.second.data(), b.owner_residual->data(), out.second.size() * 4)->wait();
+  return out;
+}
+
+const BucketProbe* Engine::probe(uint32_t bucket) const { return state_of_.at(bucket)->probe.get(); }
+
+uint64_t Engine::probe_sampled() const {
+  uint64_t n = 0;
+  for (const auto& b : state_of_)
+    if (b->probe) n += b->probe->sampled_total();
+  return n;
 }
 
 std::vector<CodecSpec> Engine::layer_codecs(uint32_t bucket) const { return state_of_.at(bucket)->codecs; }
@@ -459,6 +519,7 @@ void Engine::switch_to(std::shared_ptr<const controller::Assignment> assignment)
   const int n = fabric_.size();
   uint64_t send = 0, recv = 0, acc = 0, reencoded = 0, gathered = 0, part_send = 0, part_acc = 0;
   uint64_t lowrank_p = 0, lowrank_q = 0;  // floats
+  BucketProbe::Scratch probe;
   for (size_t b = 0; b < buckets_.size(); ++b) {
     BucketState& s = *state_of_[b];
     const BucketLayout& layout = buckets_[b];
@@ -538,6 +599,17 @@ void Engine::switch_to(std::shared_ptr<const controller::Assignment> assignment)
       backend_.prepare_measure(s.plan, measured_candidates_);
       backend_.prepare_measure(s.whole, measured_candidates_);
     }
+    // The error probe: its shadows (allocated once), its simulation's preparation, and the
+    // staging of the largest.
+    if (s.probe) {
+      s.probe->set_assignment(s.codecs, s.algorithm == Algorithm::kScatterReduceAllGather);
+      s.probe->prepare(backend_, measured_candidates_);
+      const BucketProbe::Scratch need = s.probe->scratch_bytes();
+      for (auto [total, one] : {std::pair{&probe.send, need.send}, {&probe.recv, need.recv}, {&probe.inputs, need.inputs},
+                                {&probe.sum, need.sum}, {&probe.error, need.error}, {&probe.payload, need.payload},
+                                {&probe.flags, need.flags}, {&probe.sample, need.sample}})
+        *total = std::max(*total, one);
+    }
     // And what the exchange's kernels need (a GPU's TopK selection scratch, cuBLAS).
     backend_.prepare_encode(s.plan);
     if (!s.gathered.segments.empty()) backend_.prepare_encode(s.gathered);
@@ -564,6 +636,13 @@ void Engine::switch_to(std::shared_ptr<const controller::Assignment> assignment)
     scratch(kPartSend, part_send);
     scratch(kPartGathered, part_send * n);
     scratch(kPartAcc, part_acc);
+  }
+  if (probe.send) {
+    for (auto [which, bytes] : {std::pair{kProbeSend, probe.send}, {kProbeRecv, probe.recv}, {kProbeInputs, probe.inputs},
+                                {kProbeSum, probe.sum}, {kProbeError, probe.error}, {kProbePayload, probe.payload},
+                                {kProbeFlags, probe.flags}, {kProbeX, probe.sample}, {kProbeOwner, probe.sample},
+                                {kProbeOwnerSum, probe.sample}, {kProbeExact, probe.sample}, {kProbeOut, probe.sample}})
+      scratch(which, bytes);
   }
   assignment_ = std::move(assignment);
 }
@@ -740,7 +819,16 @@ CallOutcome Engine::run(const EngineCall& call) {
   timing.quant_elements = b.quant_elements;
   timing.encoded_bytes = static_cast<double>(b.encoded_bytes);
 
-  if (sample) measure_lowrank(b, call, *sample);
+  // The error probe first, while the residuals still hold what this call adds to its input.
+  const bool probing = b.probe && controller_->schedule().probes(call.step);
+  if (probing) probe_step(b, call, sample);
+  if (sample) {
+    measure_lowrank(b, call, *sample);
+    // The layers' magnitude, sum |g|, for the controller's drift: robust where a sum of
+    // squares of heavy-tailed values would swing with its largest few.
+    backend_.distance(b.whole.segments, ElementSpan{const_cast<void*>(call.send), call.dtype, 0}, nullptr, 1, 1.0,
+                      sample->magnitude, sample->measure.nonfinite);
+  }
   if (b.algorithm == Algorithm::kAllGather) {
     // Every layer whole: every candidate but the low-rank ones is measured as this
     // algorithm would send it.
@@ -757,6 +845,8 @@ CallOutcome Engine::run(const EngineCall& call) {
     if (b.plan.total_bytes > 0) reduce_scatter_allgather(b, call, sample, timing);
   }
   if (!b.lowrank.empty()) low_rank(b, call, timing);
+  if (probing && sample)
+    b.probe->realized(backend_, ElementSpan{call.recv, call.dtype, 0}, call.count, probe_buffers(), sample->probe);
   // A bucket of nothing runs no operation; its timing still needs a mark to be resolved by.
   if (timing.codecs == 0 && timing.exchanges == 0) {
     timing.start_codec(backend_);
@@ -777,7 +867,7 @@ CallOutcome Engine::run(const EngineCall& call) {
 std::unique_ptr<Engine::Sample> Engine::new_sample(uint32_t bucket) {
   auto sample = std::make_unique<Sample>();
   sample->bucket = bucket;
-  sample->bytes = buckets_[bucket].layers.size() * (measured_candidates_.size() * sizeof(double) + 1);
+  sample->bytes = Sample::Layout(buckets_[bucket].layers.size(), measured_candidates_.size()).bytes;
   sample->device = backend_.allocate(sample->bytes);
   sample->host = backend_.allocate_host(sample->bytes);
   return sample;
@@ -792,14 +882,13 @@ Engine::Sample* Engine::begin_sample(BucketState& b, const EngineCall& call) {
     window_end_ = end;
   }
   const size_t layers = buckets_[call.bucket].layers.size();
-  const size_t c = measured_candidates_.size();
-  const uint64_t squared_bytes = layers * c * sizeof(double);
+  const Sample::Layout at(layers, measured_candidates_.size());
   // Sample buffers are recycled: a spare one that is large enough, else a new one. A
   // rank that cannot allocate one measures this call less: statistics are local until
   // the window's sum, so the ranks' calls stay the same.
   std::unique_ptr<Sample> sample;
   for (size_t i = spare_samples_.size(); i-- > 0;)
-    if (spare_samples_[i]->device->bytes() >= squared_bytes + layers) {
+    if (spare_samples_[i]->device->bytes() >= at.bytes) {
       sample = std::move(spare_samples_[i]);
       spare_samples_.erase(spare_samples_.begin() + static_cast<std::ptrdiff_t>(i));
       break;
@@ -814,14 +903,18 @@ Engine::Sample* Engine::begin_sample(BucketState& b, const EngineCall& call) {
     }
   }
   sample->bucket = call.bucket;
-  sample->bytes = squared_bytes + layers;
+  sample->bytes = at.bytes;
   auto* device = static_cast<uint8_t*>(sample->device->data());
   backend_.fill_zero(device, sample->bytes);
   sample->measure = Backend::Measure{};
   sample->measure.candidates = measured_candidates_;
   sample->measure.measured = b.measured;
-  sample->measure.squared = reinterpret_cast<double*>(device);
-  sample->measure.nonfinite = device + squared_bytes;
+  sample->measure.squared = reinterpret_cast<double*>(device + at.measured);
+  sample->measure.nonfinite = device + at.nonfinite;
+  sample->magnitude = reinterpret_cast<double*>(device + at.magnitude);
+  sample->probe = ProbeOutput{reinterpret_cast<double*>(device + at.simulated), device + at.simulated_nonfinite,
+                              reinterpret_cast<double*>(device + at.reference), device + at.reference_nonfinite,
+                              reinterpret_cast<double*>(device + at.realized), device + at.realized_nonfinite};
   samples_.push_back(std::move(sample));
   return samples_.back().get();
 }
@@ -840,16 +933,35 @@ void Engine::collect_samples(bool wait) {
     s.ready->wait();
     const BucketState& b = *state_of_[s.bucket];
     const size_t c = measured_candidates_.size();
-    auto* squared = static_cast<double*>(s.host->data());
-    const uint8_t* nonfinite = reinterpret_cast<const uint8_t*>(squared + b.controller_of.size() * c);
-    std::vector<double> values;
+    const Sample::Layout at(b.controller_of.size(), c);
+    const auto* host = static_cast<const uint8_t*>(s.host->data());
+    const auto table = [&](uint64_t offset) { return reinterpret_cast<const double*>(host + offset); };
+    const double* measured = table(at.measured);
+    const double* simulated = table(at.simulated);
+    const double* reference = table(at.reference);
+    const double* realized = table(at.realized);
+    const double* magnitude = table(at.magnitude);
+    std::vector<double> values[3];
     for (size_t l = 0; l < b.controller_of.size(); ++l) {
       const int32_t k = b.controller_of[l];
       if (k < 0) continue;
-      values.clear();
-      for (uint32_t column : b.columns[l])
-        values.push_back(nonfinite[l] ? std::numeric_limits<double>::infinity() : squared[l * c + column]);
-      stats_->add(static_cast<size_t>(k), values);  // a non-finite sample is counted as skipped
+      // Every rank measured its part of the whole layer; the probe's rank for the layer also
+      // simulated and measured its sample, and counts the sample.
+      const bool mine = b.probe && b.probe->designated(static_cast<uint32_t>(l)) == fabric_.rank();
+      bool bad = host[at.nonfinite + l] != 0;
+      for (auto& v : values) v.clear();
+      for (uint32_t column : b.columns[l]) {
+        values[0].push_back(measured[l * c + column]);
+        values[1].push_back(mine ? simulated[l * c + column] : 0.0);
+        values[2].push_back(mine ? reference[l * c + column] : 0.0);
+        bad |= mine && host[at.simulated_nonfinite + l * c + column] != 0;
+      }
+      bad |= mine && (host[at.reference_nonfinite + l] != 0 || host[at.realized_nonfinite + l] != 0);
+      if (bad) values[0].assign(values[0].size(), std::numeric_limits<double>::infinity());
+      // A non-finite sample is counted as skipped.
+      stats_->add(static_cast<size_t>(k), controller::ErrorStats::Sample{values[0], values[1], values[2],
+                                                                         mine ? realized[l] : 0.0, magnitude[l],
+                                                                         !b.probe || mine});
     }
     spare_samples_.push_back(std::move(samples_.front()));
     samples_.pop_front();
@@ -928,7 +1040,7 @@ void Engine::submit_window() {
   }
   last_window_stats_ = *stats_;
   controller_->submit(window_last, std::move(*stats_), model);
-  stats_.emplace(controller_->new_stats());
+  stats_.emplace(new_window_stats());
   switch_due_ = controller_->schedule().effective_step(window_last);
 }
 
@@ -1081,6 +1193,60 @@ void Engine::all_gather(const Plan& plan, BucketState& b, const EngineCall& call
                     ElementSpan{static_cast<uint8_t*>(call.recv) + begin * dtype_size(call.dtype), call.dtype, 0});
   }
   timing.stop_codec(backend_);
+}
+
+controller::ErrorStats Engine::new_window_stats() const {
+  controller::ErrorStats stats = controller_->new_stats();
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    const BucketState& s = *state_of_[b];
+    if (!s.probe) continue;
+    for (size_t l = 0; l < s.controller_of.size(); ++l)
+      if (s.controller_of[l] >= 0)
+        stats.set_sample_scale(static_cast<size_t>(s.controller_of[l]),
+                               static_cast<double>(buckets_[b].layers[l].numel) /
+                                   static_cast<double>(s.probe->sampled(static_cast<uint32_t>(l))));
+  }
+  return stats;
+}
+
+BucketProbe::Buffers Engine::probe_buffers() {
+  BucketProbe::Buffers p;
+  const auto floats = [this](int which) { return reinterpret_cast<float*>(scratch(which, 0)); };
+  p.send = floats(kProbeSend);
+  p.recv = floats(kProbeRecv);
+  p.inputs = floats(kProbeInputs);
+  p.sum = floats(kProbeSum);
+  p.error = floats(kProbeError);
+  p.payload = scratch(kProbePayload, 0);
+  p.flags = scratch(kProbeFlags, 0);
+  p.x = floats(kProbeX);
+  p.owner = floats(kProbeOwner);
+  p.owner_sum = floats(kProbeOwnerSum);
+  p.exact = floats(kProbeExact);
+  p.out = floats(kProbeOut);
+  return p;
+}
+
+// The error probe's step of this call (plugin/collective/probe.h), before anything of the
+// call changes the residuals; its exchange's bytes are counted apart too.
+void Engine::probe_step(BucketState& b, const EngineCall& call, Sample* sample) {
+  BucketProbe::Call p;
+  p.input = ElementSpan{const_cast<void*>(call.send), call.dtype, 0};
+  p.count = call.count;
+  p.residual = b.residual ? static_cast<const float*>(b.residual->data()) : nullptr;
+  if (b.algorithm == Algorithm::kScatterReduceAllGather && b.owner_residual) {
+    p.owner_residual = static_cast<const float*>(b.owner_residual->data());
+    p.owner_first = b.owner_begin;
+    p.owner_end = b.owner_end;
+  }
+  p.average = call.op == ReduceOp::kAvg;
+  p.step = call.step;
+  p.candidates = measured_candidates_;
+  const uint64_t sent_before = fabric_.counters().bytes_sent;
+  b.probe->step(backend_, fabric_, p, probe_buffers(), sample ? &sample->probe : nullptr);
+  const uint64_t sent = fabric_.counters().bytes_sent - sent_before;
+  counters_.probe_bytes_sent += sent;
+  counters_.wire_bytes_sent += sent;
 }
 
 void Engine::reduce_scatter_allgather(BucketState& b, const EngineCall& call, Sample* sample, CallTiming& timing) {

@@ -48,6 +48,7 @@
 #include "plugin/collective/fabric.h"
 #include "plugin/collective/layout.h"
 #include "plugin/collective/plan.h"
+#include "plugin/collective/probe.h"
 
 namespace lgreco::collective {
 
@@ -66,6 +67,8 @@ struct EngineOptions {
   Algorithm algorithm = Algorithm::kAuto;
   uint64_t seed = 0x6c677265636f2121ull;  // rounding noise; the same on every rank
   controller::ControllerSettings controller;
+  // The error probe's sample (plugin/collective/probe.h); its seed is `seed`.
+  ProbeSettings probe;
 
   // What ranks compare before compressing. A rank whose configuration is invalid still
   // takes part (valid = false), so that every rank passes through together.
@@ -109,7 +112,8 @@ struct EngineCounters {
   uint64_t calls = 0, compressed_calls = 0, passed_through = 0, errors = 0;
   uint64_t uncompressed_bytes = 0;  // count x element size of compressed calls
   uint64_t encoded_bytes = 0;       // one encoding of those calls (what the controller minimises)
-  uint64_t wire_bytes_sent = 0;     // bytes this rank sent to peers for them
+  uint64_t wire_bytes_sent = 0;     // bytes this rank sent to peers for them (the probe's included)
+  uint64_t probe_bytes_sent = 0;    // of those, the error probe's exchanges
   // Time in fabric operations and in encode/decode operations, read from the backend's
   // marks once the queue has passed them (a CUDA backend's lag a few calls behind).
   double exchange_seconds = 0;
@@ -142,11 +146,18 @@ class Engine {
   // This rank's error-feedback residual of a bucket, copied to the host (empty without
   // error feedback or before the first compressed call): for tests and diagnostics.
   std::vector<float> residual_snapshot(uint32_t bucket) const;
+  // Under sra, the owner residual of this rank's partition of a bucket and the first call
+  // element it covers (empty otherwise): for tests and diagnostics.
+  std::pair<uint64_t, std::vector<float>> owner_residual_snapshot(uint32_t bucket) const;
   // Null in uniform mode or when no layer is adaptive.
   const controller::Controller* controller() const { return controller_.get(); }
   // The statistics of the last window, summed across ranks, as submitted to the
   // controller (empty before the first): for tests and diagnostics.
   const std::optional<controller::ErrorStats>& last_window_stats() const { return last_window_stats_; }
+  // Values the error probe samples, over all buckets (0 without a controller), and a
+  // bucket's probe (null without one): for tests and diagnostics.
+  uint64_t probe_sampled() const;
+  const BucketProbe* probe(uint32_t bucket) const;
   // Global index of each adaptive layer in the controller: "bucket/layer" names.
   const std::vector<std::string>& controller_layer_names() const { return controller_names_; }
 
@@ -174,6 +185,9 @@ class Engine {
   void resolve_timings(bool wait);  // marks the queue has passed, into counters and window_
   void submit_window();
   void reduce_scatter_allgather(BucketState& b, const EngineCall& call, Sample* sample, CallTiming& timing);
+  BucketProbe::Buffers probe_buffers();
+  controller::ErrorStats new_window_stats() const;  // the controller's, with the probe's sample scales
+  void probe_step(BucketState& b, const EngineCall& call, Sample* sample);
   void all_gather(const Plan& plan, BucketState& b, const EngineCall& call, CallTiming& timing);
   void measure_whole_layers(BucketState& b, const EngineCall& call, Sample& sample);
   void measure_lowrank(BucketState& b, const EngineCall& call, Sample& sample);

@@ -15,6 +15,7 @@ namespace {
 
 using controller::Schedule;
 using controller::ScheduleSettings;
+using controller::ErrorStats;
 
 BOOST_AUTO_TEST_SUITE(schedule)
 
@@ -71,6 +72,38 @@ BOOST_AUTO_TEST_CASE(random_settings_keep_every_rule) {
         BOOST_TEST(switches[k] == set.warmup - 1 + set.switch_lag + k * set.period);
     }
   }
+}
+
+// The error probe runs in each window and the probe_lead steps before it; with a lead
+// as long as the gap between windows, always.
+BOOST_AUTO_TEST_CASE(the_probe_runs_in_each_window_and_its_lead) {
+  std::mt19937_64 rng(test::run_seed());
+  for (int i = 0; i < 200; ++i) {
+    ScheduleSettings set;
+    set.warmup = 2 + rng() % 30;
+    set.period = 1 + rng() % 25;
+    set.window = 1 + rng() % set.period;
+    set.switch_lag = 1 + rng() % (set.period + 1 - set.window);
+    set.probe_lead = rng() % 30;
+    const Schedule s(set);
+    BOOST_TEST_CONTEXT("warmup " << set.warmup << " period " << set.period << " window " << set.window << " lead "
+                                 << set.probe_lead) {
+      for (uint64_t step = 0; step < 300; ++step) {
+        bool want = false;  // a measured step within the lead ahead
+        for (uint64_t ahead = 0; ahead <= set.probe_lead && !want; ++ahead) want = s.measures(step + ahead);
+        // The first window is clipped to start at 1: step 0 probes if step 1 is within the lead.
+        BOOST_TEST(s.probes(step) == want, "step " << step);
+        if (s.measures(step)) BOOST_TEST(s.probes(step));
+      }
+    }
+  }
+  const Schedule defaults(ScheduleSettings{});
+  std::vector<uint64_t> probed;
+  for (uint64_t step = 0; step < 300; ++step)
+    if (defaults.probes(step)) probed.push_back(step);
+  BOOST_TEST(probed.size() == 60u);  // 80..99, 180..199, 280..299
+  BOOST_TEST(probed.front() == 80u);
+  BOOST_TEST(probed.back() == 299u);
 }
 
 BOOST_AUTO_TEST_CASE(invalid_settings_are_named) {
@@ -132,6 +165,54 @@ BOOST_AUTO_TEST_CASE(sums_and_means_match_a_float64_reference_for_both_metrics) 
                    boost::test_tools::tolerance(1e-14));
     }
   }
+}
+
+// A candidate's estimate: measured x simulated / reference (window sums), else measured,
+// else simulated x the sample's scale; the realized error scaled like the current
+// codec's; shares that other ranks count add without counting.
+BOOST_AUTO_TEST_CASE(estimates_combine_the_three_measurements) {
+  ErrorStats s({3, 2}, controller::ErrorMetric::kSquaredL2);
+  s.set_sample_scale(0, 16);
+  s.set_sample_scale(1, 4);
+  const std::vector<double> measured0 = {8, 4, 2}, simulated0 = {1, 0.25, 0}, reference0 = {0.5, 0.25, 0};
+  ErrorStats::Sample a;
+  a.measured = measured0;
+  a.simulated = simulated0;
+  a.reference = reference0;
+  a.realized = 0.2;
+  a.magnitude = 10;
+  BOOST_TEST(s.add(0, a));
+  const std::vector<double> share = {8, 4, 2}, zeros = {0, 0, 0};
+  ErrorStats::Sample b;  // another rank's share of the same step
+  b.measured = share;
+  b.simulated = zeros;
+  b.reference = zeros;
+  b.magnitude = 6;
+  b.counted = false;
+  BOOST_TEST(s.add(0, b));
+  BOOST_TEST(s.samples(0) == 1u);
+  BOOST_TEST(s.mean(0, 0) == 16.0 * 1 / 0.5);   // the whole layer, in the candidate's own state
+  BOOST_TEST(s.mean(0, 1) == 8.0);              // simulated = reference: measured as it is
+  BOOST_TEST(s.mean(0, 2) == 4.0);              // not simulated (low rank): measured
+  BOOST_TEST(s.measured_mean(0, 0) == 16.0);
+  BOOST_TEST(s.realized_mean(0, 1) == 16.0 * 0.2 / 0.5 / 1);  // like candidate 0's estimate...
+  BOOST_TEST(s.realized_mean(0, 2) == 0.2 * 16);               // ...or scaled by the sample
+  BOOST_TEST(s.magnitude_mean(0) == 16.0);
+  // Without a whole-layer measurement: the simulation scaled to the layer.
+  const std::vector<double> none = {0, 0}, sim = {0.5, 0.25};
+  ErrorStats::Sample c;
+  c.measured = none;
+  c.simulated = sim;
+  BOOST_TEST(s.add(1, c));
+  BOOST_TEST(s.mean(1, 0) == 2.0);
+  BOOST_TEST(s.mean(1, 1) == 1.0);
+  // A non-finite value anywhere skips the sample.
+  ErrorStats::Sample bad = a;
+  bad.realized = std::nan("");
+  BOOST_TEST(!s.add(0, bad));
+  BOOST_TEST(s.skipped(0) == 1u);
+  BOOST_TEST(s.samples(0) == 1u);
+  BOOST_CHECK_THROW(s.set_sample_scale(0, 0.5), std::invalid_argument);
 }
 
 BOOST_AUTO_TEST_CASE(overflowed_samples_are_skipped_and_counted) {

@@ -1,0 +1,319 @@
+// The error probe (plugin/collective/probe.h) and the two Backend operations it adds:
+// gather and squared_distance against float64 references; its samples (the same on every
+// rank, whole granules spread over each layer); the realized error it measures against
+// the exact compression error computed here from the residuals; and its simulation, each
+// candidate in its own error-feedback state, against real runs of that candidate.
+#include "plugin/collective/probe.h"
+
+#include <boost/test/unit_test.hpp>
+#include <cmath>
+#include <random>
+#include <set>
+
+#include "plugin/collective/cpu_backend.h"
+#include "plugin/collective/engine.h"
+#include "tests/unit/pinned_run.h"
+#include "tests/unit/test_util.h"
+
+namespace lgreco::collective {
+namespace {
+
+CodecSpec quant(int bits) { return CodecSpec::parse("quant:bits=" + std::to_string(bits)); }
+
+std::vector<CodecSpec> bits_2_to_8() {
+  std::vector<CodecSpec> c;
+  for (int b = 2; b <= 8; ++b) c.push_back(quant(b));
+  return c;
+}
+
+// A bucket of adaptive layers of these sizes, candidates 2..8 bits, default 4.
+BucketLayout adaptive_bucket(const std::vector<uint64_t>& sizes) {
+  BucketLayout b;
+  for (size_t l = 0; l < sizes.size(); ++l) {
+    b.layers.push_back({"layer" + std::to_string(l), b.count, sizes[l], bits_2_to_8(), 2});
+    b.count += sizes[l];
+  }
+  return b;
+}
+
+BOOST_AUTO_TEST_SUITE(probe)
+
+BOOST_AUTO_TEST_CASE(gather_copies_scales_accumulates_and_clips) {
+  std::mt19937_64 rng(test::run_seed());
+  CpuBackend backend;
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    const uint64_t n = 5000, first = 100;  // source elements [100, 5100)
+    const std::vector<float> values = test::draw(test::Dist::kNormal, n, rng);
+    std::vector<uint8_t> src(n * dtype_size(dtype));
+    for (uint64_t i = 0; i < n; ++i) store_from_float(src.data(), dtype, i, values[i]);
+    const std::vector<Backend::Run> runs = {{120, 0, 300}, {4000, 300, 1000}, {5050, 1300, 100}, {50, 1400, 60}};
+    const uint64_t end = first + n - 80;  // clip the last 80 source elements too
+    const float scale = 0.37f;
+    for (bool accumulate : {false, true}) {
+      std::vector<float> dst(1460);
+      for (size_t i = 0; i < dst.size(); ++i) dst[i] = static_cast<float>(i % 7) - 3.0f;
+      const std::vector<float> before = dst;
+      backend.gather(runs, ElementSpan{src.data(), dtype, first}, end, scale, accumulate, dst.data());
+      for (const Backend::Run& r : runs)
+        for (uint64_t i = 0; i < r.count; ++i) {
+          const uint64_t e = r.from + i;
+          const double v = e >= first && e < end ? static_cast<double>(scale) * load_as_float(src.data(), dtype, e - first)
+                                                 : 0.0;
+          const double want = (accumulate ? before[r.to + i] : 0.0) + v;
+          BOOST_TEST_REQUIRE(std::fabs(dst[r.to + i] - want) <= 1e-6 * (1 + std::fabs(want)),
+                             dtype_name(dtype) << " element " << e << ": " << dst[r.to + i] << " vs " << want);
+        }
+    }
+  }
+}
+
+BOOST_AUTO_TEST_CASE(distance_sums_in_double_and_flags_nonfinite) {
+  std::mt19937_64 rng(test::run_seed());
+  CpuBackend backend;
+  const uint64_t n = 4096;
+  std::vector<float> a = test::draw(test::Dist::kHeavyTailed, n, rng), b = test::draw(test::Dist::kNormal, n, rng);
+  for (float& v : b) v *= 1e-3f;
+  // Segments: layers 0 and 2 in two pieces, layer 1 with a NaN.
+  std::vector<Segment> segments(5);
+  const uint64_t cuts[] = {0, 1000, 1500, 2500, 3000, n};
+  const uint32_t layers[] = {0, 2, 1, 0, 2};
+  for (int s = 0; s < 5; ++s) {
+    segments[s].layer = layers[s];
+    segments[s].offset = 7 + cuts[s];  // indexed from element 7
+    segments[s].count = cuts[s + 1] - cuts[s];
+  }
+  a[1700] = std::nanf("");
+  std::vector<double> out(3, 0.5), want(3, 0.5);
+  std::vector<uint8_t> nonfinite(3, 0);
+  backend.distance(segments, ElementSpan{a.data(), DType::kFloat32, 7}, b.data(), 2, 2.0, out.data(), nonfinite.data());
+  for (int s = 0; s < 5; ++s) {
+    if (layers[s] == 1) continue;
+    for (uint64_t i = cuts[s]; i < cuts[s + 1]; ++i) want[layers[s]] += 2.0 * std::pow(double(a[i]) - double(b[i]), 2);
+  }
+  BOOST_TEST(out[0] == want[0], boost::test_tools::tolerance(1e-12));
+  BOOST_TEST(out[2] == want[2], boost::test_tools::tolerance(1e-12));
+  BOOST_TEST(out[1] == 0.5);  // not added
+  BOOST_TEST((nonfinite == std::vector<uint8_t>{0, 1, 0}));
+  // Without b: the squared norm, of any element type.
+  std::vector<uint8_t> half(n * 2);
+  for (uint64_t i = 0; i < n; ++i) store_from_float(half.data(), DType::kBFloat16, i, b[i]);
+  std::vector<double> norm(3, 0.0);
+  std::vector<Segment> one(1);
+  one[0].layer = 2;
+  one[0].count = n;
+  backend.distance(one, ElementSpan{half.data(), DType::kBFloat16, 0}, nullptr, 2, 1.0, norm.data(), nonfinite.data());
+  double want_norm = 0, want_abs = 0;
+  for (uint64_t i = 0; i < n; ++i) {
+    const double v = load_as_float(half.data(), DType::kBFloat16, i);
+    want_norm += v * v;
+    want_abs += std::fabs(v);
+  }
+  BOOST_TEST(norm[2] == want_norm, boost::test_tools::tolerance(1e-12));
+  // Power 1: the sum of magnitudes.
+  std::vector<double> sum(3, 0.0);
+  backend.distance(one, ElementSpan{half.data(), DType::kBFloat16, 0}, nullptr, 1, 1.0, sum.data(), nonfinite.data());
+  BOOST_TEST(sum[2] == want_abs, boost::test_tools::tolerance(1e-12));
+  BOOST_CHECK_THROW(backend.distance(one, ElementSpan{half.data(), DType::kBFloat16, 0}, nullptr, 3, 1.0, sum.data(),
+                                     nonfinite.data()),
+                    std::invalid_argument);
+}
+
+// The sample of every adaptive layer is the same on every rank, in whole granules inside
+// the layer, one in each stratum of a large layer, the whole of a small one; each layer
+// has one designated rank, the same on every rank, and the work is spread over the ranks.
+BOOST_AUTO_TEST_CASE(samples_are_the_same_on_every_rank_and_spread_over_each_layer) {
+  const std::vector<uint64_t> sizes = {1024 * 200 + 77, 5000, 1024 * 9, 1024 * 64, 3000, 1024 * 31};
+  BucketLayout bucket = adaptive_bucket(sizes);
+  bucket.layers.push_back({"bias", bucket.count, 100, {CodecSpec::none()}, 0});  // not adaptive
+  bucket.count += 100;
+  std::vector<uint8_t> measured(bucket.layers.size(), 1);
+  measured.back() = 0;
+  std::vector<std::vector<uint32_t>> columns(bucket.layers.size());
+  for (size_t l = 0; l + 1 < bucket.layers.size(); ++l) columns[l] = {0, 1, 2, 3, 4, 5, 6};
+  const std::vector<CodecSpec> candidates = bits_2_to_8();
+  ProbeSettings settings;
+  settings.seed = test::run_seed();
+  const int ranks = 3;
+  std::vector<std::unique_ptr<BucketProbe>> probes;
+  for (int r = 0; r < ranks; ++r)
+    probes.push_back(std::make_unique<BucketProbe>(bucket, 1, measured, columns, candidates, ranks, r, settings));
+  std::set<int> designated;
+  for (uint32_t l = 0; l < bucket.layers.size(); ++l) {
+    const LayerLayout& layer = bucket.layers[l];
+    for (int r = 1; r < ranks; ++r) {
+      BOOST_TEST(probes[r]->designated(l) == probes[0]->designated(l));
+      BOOST_TEST(probes[r]->sampled(l) == probes[0]->sampled(l));
+      const auto a = probes[r]->runs(l), b = probes[0]->runs(l);
+      BOOST_TEST_REQUIRE(a.size() == b.size());
+      for (size_t i = 0; i < a.size(); ++i) BOOST_TEST((a[i].from == b[i].from && a[i].count == b[i].count));
+    }
+    if (!measured[l]) {
+      BOOST_TEST(probes[0]->sampled(l) == 0u);
+      continue;
+    }
+    designated.insert(probes[0]->designated(l));
+    const auto runs = probes[0]->runs(l);
+    const uint64_t granules = layer.numel / 1024;
+    const uint64_t want = std::max<uint64_t>(8, (granules + 15) / 16);
+    if (want >= granules) {  // small: the whole layer
+      BOOST_TEST_REQUIRE(runs.size() == 1u);
+      BOOST_TEST(runs[0].from == layer.offset);
+      BOOST_TEST(runs[0].count == layer.numel);
+      continue;
+    }
+    BOOST_TEST(probes[0]->sampled(l) == want * 1024);
+    uint64_t to = 0;
+    std::vector<uint64_t> picked;
+    for (const Backend::Run& r : runs) {
+      BOOST_TEST(r.to == to);
+      BOOST_TEST((r.from - layer.offset) % 1024 == 0u);
+      BOOST_TEST(r.count % 1024 == 0u);
+      BOOST_TEST(r.from + r.count <= layer.offset + granules * 1024);
+      for (uint64_t g = 0; g < r.count / 1024; ++g) picked.push_back((r.from - layer.offset) / 1024 + g);
+      to += r.count;
+    }
+    BOOST_TEST_REQUIRE(picked.size() == want);
+    for (uint64_t i = 0; i < want; ++i) {  // one in each stratum
+      BOOST_TEST(picked[i] >= i * granules / want);
+      BOOST_TEST(picked[i] < (i + 1) * granules / want);
+    }
+  }
+  BOOST_TEST(designated.size() == static_cast<size_t>(ranks));
+  // Another seed draws other granules.
+  settings.seed ^= 1;
+  const BucketProbe other(bucket, 1, measured, columns, candidates, ranks, 0, settings);
+  bool differs = false;
+  for (size_t i = 0; i < other.runs(0).size(); ++i) differs |= other.runs(0)[i].from != probes[0]->runs(0)[i].from;
+  BOOST_TEST(differs);
+}
+
+// The realized error the probe reports for a window is exactly (to float32 rounding) the
+// compression error of the calls on the sampled elements, computed here from the
+// residuals each rank held before each call: under both algorithms and both ops.
+BOOST_AUTO_TEST_CASE(the_realized_error_is_the_exact_compression_error_of_the_sample) {
+  const uint64_t seed = test::run_seed();
+  for (Algorithm algorithm : {Algorithm::kScatterReduceAllGather, Algorithm::kAllGather})
+    for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg}) {
+      BOOST_TEST_CONTEXT("seed " << seed << ", " << algorithm_name(algorithm) << (op == ReduceOp::kAvg ? " avg" : " sum")) {
+        test::PinnedRun run;
+        run.ranks = 4;
+        run.buckets = {adaptive_bucket({1024 * 40, 1024 * 24 + 300, 2048})};
+        run.op = op;
+        run.steps = 10;
+        run.options = [&](int) {
+          EngineOptions o;
+          o.codec = quant(4);
+          o.candidates = bits_2_to_8();
+          o.algorithm = algorithm;
+          o.parameters_text = "probe";
+          o.controller.schedule = {5, 4, 2, 1, 2};  // windows 3-4 and 7-8, probing from step 1
+          return o;
+        };
+        run.input = [&](int r, uint64_t step, uint32_t) {
+          std::mt19937_64 rng(seed ^ (uint64_t(r) << 40) ^ step);
+          std::vector<float> x = test::draw(test::Dist::kHeavyTailed, run.buckets[0].count, rng);
+          for (float& v : x) v += 2e-3f;  // correlated ranks
+          return x;
+        };
+        // Per layer: the exact error on the sample summed over the second window's steps.
+        const BucketLayout& bucket = run.buckets[0];
+        std::vector<double> exact(bucket.layers.size(), 0.0);
+        std::optional<controller::ErrorStats> stats;
+        std::vector<std::vector<Backend::Run>> runs(bucket.layers.size());
+        run.on_call = [&](uint64_t step, uint32_t, const std::vector<double>& error, const Engine& engine) {
+          if (runs[0].empty())
+            for (uint32_t l = 0; l < bucket.layers.size(); ++l) {
+              const auto r = engine.probe(0)->runs(l);
+              runs[l].assign(r.begin(), r.end());
+            }
+          if (step == 7 || step == 8)
+            for (size_t l = 0; l < runs.size(); ++l)
+              for (const Backend::Run& r : runs[l])
+                for (uint64_t i = r.from; i < r.from + r.count; ++i) exact[l] += error[i] * error[i];
+          if (step == 9) stats = engine.last_window_stats();  // submitted at step 9
+        };
+        const test::PinnedResult result = test::run_pinned(run);
+        BOOST_TEST(result.failures.empty(), result.failures.front());
+        BOOST_TEST_REQUIRE(stats.has_value());
+        for (size_t l = 0; l < exact.size(); ++l) {
+          BOOST_TEST(stats->samples(l) == 2u);
+          BOOST_TEST(exact[l] > 0);
+          BOOST_TEST(stats->realized_sum(l) == exact[l], boost::test_tools::tolerance(1e-4));
+        }
+      }
+    }
+}
+
+// The simulation gives each candidate the error it has in its own steady state: with the
+// whole layers sampled, its simulated error per step matches what a real run of that
+// codec alone makes on the same gradients (where the error measured on the default's
+// state, what the controller saw before, is far too small for 2 bits).
+BOOST_AUTO_TEST_CASE(shadows_give_each_candidate_its_own_steady_state_error) {
+  const uint64_t seed = test::run_seed();
+  const BucketLayout bucket = adaptive_bucket({1024 * 48, 1024 * 32});
+  const auto input = [&](int r, uint64_t step, uint32_t) {
+    std::mt19937_64 rng(seed ^ (uint64_t(r) << 40) ^ step);
+    std::vector<float> x = test::draw(test::Dist::kNormal, bucket.count, rng);
+    for (float& v : x) v += 3.0f;  // correlated ranks: the sum's range grows
+    return x;
+  };
+  // The adaptive engine at its default (4 bits) measures steps 8..11 with every layer
+  // sampled whole.
+  test::PinnedRun run;
+  run.ranks = 4;
+  run.buckets = {bucket};
+  run.steps = 13;
+  run.input = input;
+  run.options = [&](int) {
+    EngineOptions o;
+    o.codec = quant(4);
+    o.candidates = bits_2_to_8();
+    o.algorithm = Algorithm::kScatterReduceAllGather;
+    o.parameters_text = "shadows";
+    o.probe.fraction = 1.0;
+    o.controller.schedule = {12, 100, 4, 2, 8};
+    return o;
+  };
+  std::optional<controller::ErrorStats> stats;
+  run.on_call = [&](uint64_t step, uint32_t, const std::vector<double>&, const Engine& engine) {
+    if (step == 12) stats = engine.last_window_stats();
+  };
+  const test::PinnedResult adaptive = test::run_pinned(run);
+  BOOST_TEST_REQUIRE(adaptive.failures.empty(), adaptive.failures.front());
+  BOOST_TEST_REQUIRE(stats.has_value());
+  for (int bits : {2, 3, 4, 6}) {
+    test::PinnedRun uniform = run;
+    uniform.on_call = nullptr;
+    for (LayerLayout& l : uniform.buckets[0].layers) l.candidates = {quant(bits)}, l.default_index = 0;
+    uniform.options = [&](int) {
+      EngineOptions o = run.options(0);
+      o.mode = config::Mode::kUniform;
+      o.codec = quant(bits);
+      o.candidates = {quant(bits)};
+      return o;
+    };
+    const test::PinnedResult real = test::run_pinned(uniform);
+    BOOST_TEST_REQUIRE(real.failures.empty(), real.failures.front());
+    for (size_t l = 0; l < bucket.layers.size(); ++l) {
+      double realized = 0;
+      for (uint64_t step = 8; step < 12; ++step) realized += real.error[step][0][l] / 4;
+      const uint32_t c = static_cast<uint32_t>(bits - 2);
+      const double simulated = stats->simulated_sum(l, c) / 4, estimate = stats->mean(l, c);
+      const double on_default_state = stats->measured_sum(l, c) / 4;
+      BOOST_TEST_CONTEXT("seed " << seed << ", " << bits << " bits, layer " << l << ": simulated " << simulated
+                                 << ", estimate " << estimate << ", on the default's state " << on_default_state
+                                 << ", a real run " << realized) {
+        BOOST_TEST(simulated > 0.9 * realized);
+        BOOST_TEST(simulated < 1.1 * realized);
+        BOOST_TEST(estimate > 0.9 * realized);
+        BOOST_TEST(estimate < 1.1 * realized);
+        if (bits == 2) BOOST_TEST(on_default_state < 0.8 * realized);  // the bias the probe removes
+      }
+    }
+  }
+}
+
+BOOST_AUTO_TEST_SUITE_END()
+
+}  // namespace
+}  // namespace lgreco::collective
