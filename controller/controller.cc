@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <optional>
 #include <stdexcept>
@@ -42,9 +43,12 @@ Controller::Controller(ControllerSettings settings, std::vector<Layer> layers, S
     : settings_(std::move(settings)),
       schedule_(settings_.schedule),
       layers_(validated(std::move(layers), settings_)),
-      solve_(solve ? std::move(solve) : SolveFunction(&controller::solve)) {
+      solve_(solve ? std::move(solve) : SolveFunction(&controller::solve)),
+      alpha_eff_(settings_.alpha) {
   auto defaults = std::make_shared<Assignment>();
   for (const Layer& layer : layers_) defaults->choices.push_back(layer.default_index);
+  in_effect_ = defaults->choices;
+  last_magnitude_.assign(layers_.size(), 0.0);
   current_ = std::move(defaults);
   if (!settings_.decision_log_path.empty()) {
     decision_log_ = fopen(settings_.decision_log_path.c_str(), "a");
@@ -156,10 +160,89 @@ void Controller::run() {
   }
 }
 
-Problem Controller::problem_from(const Job& job) const {
+WindowReading Controller::read_window(const ErrorStats& stats) const {
+  WindowReading r;
+  double defaults = 0;
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    if (stats.samples(l) == 0) continue;
+    r.realized += stats.realized_mean(l, in_effect_[l]);
+    r.predicted += stats.mean(l, in_effect_[l]);
+    defaults += stats.mean(l, layers_[l].default_index);
+  }
+  r.budget = settings_.alpha * defaults;
+  return r;
+}
+
+void Controller::update_loop(const WindowReading& r) {
+  if (!settings_.budget_loop) return;
+  const double alpha = settings_.alpha, before = alpha_eff_;
+  double target = alpha / bias_;
+  if (r.predicted > 0 && r.realized > 0 && std::isfinite(r.realized / r.predicted)) {
+    const double bias = r.realized / r.predicted;
+    if (bias > bias_ * kDeadBand) {
+      bias_ = std::min(bias, kMaxBias);
+      target = alpha / bias_;
+      // Below the alpha that overspent by as much as it overspent too: errors come in
+      // steps (one more layer at a narrow codec), not a slope.
+      if (r.budget > 0 && r.realized > r.budget) target = std::min(target, before * r.budget / r.realized);
+    } else if (bias < bias_ / kDeadBand) {
+      bias_ = std::max(1.0, std::sqrt(bias_ * bias));
+      target = alpha / bias_;
+    }
+  }
+  // Down at once, up by at most 1% per window.
+  alpha_eff_ = std::clamp(target < before ? target : std::min(target, before * kRise), alpha / kMaxBias, alpha);
+}
+
+// The middle of the window ending at `last`, and of the epoch whose assignment it solves,
+// as steps counted from 1.
+double Controller::window_middle(uint64_t last) const {
+  return static_cast<double>(last) + 1 - (static_cast<double>(settings_.schedule.window) - 1) / 2;
+}
+
+std::vector<double> Controller::drift_of(const ErrorStats& stats, uint64_t window_last) const {
+  std::vector<double> drift(layers_.size(), 1.0);
+  if (last_middle_ <= 0) return drift;
+  const ScheduleSettings& s = settings_.schedule;
+  const double now = window_middle(window_last);
+  const double epoch = static_cast<double>(window_last) + 1 + static_cast<double>(s.switch_lag) +
+                       (static_cast<double>(s.period) - 1) / 2;
+  // The gradient's scale as a power of the step: its exponent from the last two windows,
+  // carried on to the epoch's middle.
+  const double h = std::log(epoch / now) / std::log(now / last_middle_);
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    const double m = stats.magnitude_mean(l), before = last_magnitude_[l];
+    const double energy_ratio = (m / before) * (m / before);
+    if (m > 0 && before > 0 && std::isfinite(energy_ratio)) drift[l] = std::pow(std::clamp(energy_ratio, 0.125, 8.0), h);
+  }
+  return drift;
+}
+
+// A candidate's mean error over an epoch of T steps after a switch to it. Its error
+// starts at what it makes on the state the previous codec left, `now` (measured on the
+// real state of the whole layer), and relaxes to its own steady state (`steady`, the
+// probe's estimate) geometrically, at a rate r per step: the mean is
+// steady + (now - steady) x (1 - r^T) / (T (1 - r)). The rate follows from how far the two
+// states are apart: a max-min quantizer's residual widens the next range, and the range
+// widened by a residual of a units relaxes like a fixed-point iteration whose step is the
+// share of the range the residual adds, 1 - sqrt(min/max) of the two errors (errors grow
+// with the square of the unit); capped at 0.8. (Measured on the demo: layers moved from 4
+// to 2 bits, steady / now about 2.8, relaxed at about 0.4 per step; the formula says
+// 0.40.) For TopK, whose residual builds up over as many steps as it takes to send it,
+// the cap keeps the estimate high on short runs. When the candidate is the codec in effect
+// now and settled, now = steady and nothing changes.
+double Controller::epoch_error(double steady, double now, uint64_t period) {
+  if (!(steady > 0) || !(now > 0) || steady == now) return steady;
+  const double rate = std::min(0.8, 1 - std::sqrt(std::min(steady, now) / std::max(steady, now)));
+  const double t = static_cast<double>(period);
+  return steady + (now - steady) * (1 - std::pow(rate, t)) / (t * (1 - rate));
+}
+
+Problem Controller::problem_from(const Job& job, std::span<const double> drift) const {
   const ErrorStats& stats = job.stats;
+  double steady_defaults = 0, epoch_defaults = 0;
   Problem p;
-  p.alpha = settings_.alpha;
+  p.alpha = alpha_eff_;
   p.objective = settings_.objective;
   p.cost_model = job.cost_model;
   p.layers = layers_;
@@ -174,14 +257,28 @@ Problem Controller::problem_from(const Job& job) const {
       layer.default_index = 0;
       continue;
     }
-    for (uint32_t c = 0; c < layer.candidates.size(); ++c) layer.candidates[c].error = stats.mean(l, c);
+    for (uint32_t c = 0; c < layer.candidates.size(); ++c) {
+      const double steady = stats.mean(l, c), now = stats.measured_mean(l, c);
+      layer.candidates[c].error = epoch_error(steady, now, settings_.schedule.period) * drift[l];
+      if (c == layer.default_index) steady_defaults += steady * drift[l], epoch_defaults += layer.candidates[c].error;
+    }
   }
+  // The budget is the default's error as a uniform run has it, in its own steady state:
+  // alpha is rescaled so that alpha x the defaults' epoch errors (with their transients,
+  // where a layer is not at its default now) is alpha_eff x their steady errors.
+  if (epoch_defaults > 0 && steady_defaults > 0) p.alpha = alpha_eff_ * steady_defaults / epoch_defaults;
   return p;
 }
 
 std::shared_ptr<const Assignment> Controller::solve_job(const Job& job) {
   try {
-    return solve_and_log(job);
+    // The loop first: its state moves whether or not this solve succeeds.
+    const WindowReading reading = read_window(job.stats);
+    update_loop(reading);
+    const std::vector<double> drift = drift_of(job.stats, job.window_last_step);
+    for (size_t l = 0; l < layers_.size(); ++l) last_magnitude_[l] = job.stats.magnitude_mean(l);
+    last_middle_ = window_middle(job.window_last_step);
+    return solve_and_log(job, reading, drift);
   } catch (const std::exception& e) {
     return failed(job, e.what());
   } catch (...) {
@@ -204,8 +301,9 @@ std::shared_ptr<const Assignment> Controller::failed(const Job& job, const char*
   return nullptr;
 }
 
-std::shared_ptr<const Assignment> Controller::solve_and_log(const Job& job) {
-  const Problem problem = problem_from(job);
+std::shared_ptr<const Assignment> Controller::solve_and_log(const Job& job, const WindowReading& reading,
+                                                            std::span<const double> drift) {
+  const Problem problem = problem_from(job, drift);
   const auto start = std::chrono::steady_clock::now();
   Solution solution = solve_(problem, settings_.solver);
   const double solve_ms = ms_since(start);
@@ -222,19 +320,39 @@ std::shared_ptr<const Assignment> Controller::solve_and_log(const Job& job) {
       assignment->choices[l] = layers_[l].default_index;  // the one-candidate stand-in
   }
   if (layers_.empty()) min_samples = 0;
+  assignment->alpha_eff = alpha_eff_;
+  assignment->bias = bias_;
+  assignment->window = reading;
+  assignment->drift.assign(drift.begin(), drift.end());
 
   if (decision_log_) {
-    const DecisionContext context{job.epoch, job.window_last_step, job.effective_step, min_samples};
+    std::vector<double> realized;
+    for (size_t l = 0; l < layers_.size(); ++l) realized.push_back(job.stats.realized_mean(l, in_effect_[l]));
+    DecisionContext context;
+    context.epoch = job.epoch;
+    context.stats_last_step = job.window_last_step;
+    context.effective_step = job.effective_step;
+    context.samples = min_samples;
+    context.alpha = settings_.alpha;
+    context.alpha_eff = alpha_eff_;
+    context.loop_bias = bias_;
+    context.window_realized = reading.realized;
+    context.window_predicted = reading.predicted;
+    context.window_budget = reading.budget;
+    context.layer_realized = &realized;
+    context.layer_drift = drift;
     const std::string line = decision_json(context, problem, solution, solve_ms);
     fprintf(decision_log_, "%s\n", line.c_str());
     fflush(decision_log_);
   }
   LGRECO_INFO("CTRL",
               "epoch %llu (window ending at step %llu, switch at step %llu): %llu of %llu default bytes, error "
-              "%.6g of budget %.6g%s, solved in %.2f ms",
+              "%.6g of budget %.6g%s at alpha_eff %.4g (the window realized %.4g of its budget), solved in %.2f ms",
               ull(job.epoch), ull(job.window_last_step), ull(job.effective_step), ull(solution.bytes),
               ull(solution.default_bytes), solution.error, solution.budget,
-              solution.feasible ? "" : " (infeasible: least-error assignment)", solve_ms);
+              solution.feasible ? "" : " (infeasible: least-error assignment)", problem.alpha,
+              reading.budget > 0 ? reading.realized / reading.budget : 0.0, solve_ms);
+  in_effect_ = assignment->choices;
   assignment->solution = std::move(solution);
   std::lock_guard<std::mutex> lock(mutex_);
   ++counters_.solves;

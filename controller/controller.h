@@ -9,6 +9,44 @@
 //   if (controller.schedule().window_ends(s)) { allreduce(stats.reduction_buffer(), SUM);
 //                                               controller.submit(s, stats); stats.clear(); }
 //
+// The closed loop (docs/CONTROLLER.md, "The closed loop"): each window also carries the
+// realized error of the assignment in effect during it. Before each solve the thread
+// compares it with what the statistics predict for that assignment in the same window:
+// their ratio b is the model's bias, as measured. It keeps an estimate B of it, in [1, 4],
+// and aims at alpha_eff = alpha / B, so that the realized error (B x the prediction) fits
+// alpha x the default's:
+//   b > 1.02 B:    B = b                 (under-predicted: corrected at once; and if the
+//                                         budget was overspent, alpha_eff also at most the
+//                                         alpha that overspent over the overspend)
+//   b < B / 1.02:  B = sqrt(B b)         (over-predicted: given back halfway)
+//   otherwise:     unchanged             (the dead band)
+// alpha_eff follows its aim down at once and up by at most 1% per window. The bias
+// depends on the assignment (a model may err on the narrow codecs only): given back at
+// once, alpha_eff would climb until they return, overspend again and swing; rising
+// slowly, it comes back to such a cliff tens of windows later, by a step.
+// Realized and predicted error come from the same window and the same assignment, so a
+// window whose gradients are unusual (a heavy tail's outlier) moves both alike; comparing
+// the realized error with the budget instead would read the budget's own swings as the
+// model's error, and a solution that leaves budget unused as a model that errs low. The
+// state moves whether or not the solve then succeeds; every rank computes the same.
+//
+// Drift: gradients change scale as training goes on, layer by layer, and an assignment
+// runs after the window it was solved from. Every codec's error scales with the square of
+// the gradient's scale, so each layer's errors are extrapolated by the trend of its
+// gradient's magnitude m = sum |g| (robust where a sum of squares of heavy-tailed values
+// would swing with its largest few), taken as a power of the step t (counted from 1),
+// the usual shape of gradient-norm and loss curves: with windows centred at t0 and t1 and
+// the epoch the assignment runs centred at t2, every error of a layer is multiplied by
+// ((m1 / m0)^2)^h, h = log(t2 / t1) / log(t1 / t0), the squared ratio kept in [1/8, 8].
+// A power law slows down as t grows, so it extrapolates less than a constant rate would:
+// the safe side too when a job resumes from a checkpoint and the steps restart.
+//
+// Transients: a layer that switches codec starts from the residual the previous codec
+// left; its error relaxes from what the new codec makes on that state (measured on the
+// whole layer now) to its own steady state (the probe's estimate). Each candidate's
+// error is its mean over the epoch (epoch_error in controller.cc). With 100-step periods
+// the transient is a few percent of the epoch; with the demo's 5-step ones, a third.
+//
 // submit() only enqueues; the thread solves and keeps the result until step
 // s + switch_lag, when assignment_for_step() hands it out, on every rank at the same step
 // (every rank submits the same sums, and the solver is deterministic). If the solve has
@@ -30,6 +68,8 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
+#include <span>
 #include <thread>
 #include <vector>
 
@@ -50,6 +90,15 @@ struct ControllerSettings {
   // One JSON line per solved assignment is appended here; empty: no log. The caller
   // expands any per-rank pattern.
   std::string decision_log_path;
+  // The closed loop on the realized error (above); off: every solve uses alpha.
+  bool budget_loop = true;
+};
+
+// The loop's reading of one window (all in the statistics' metric, summed over layers).
+struct WindowReading {
+  double realized = 0;   // the assignment in effect, as it ran
+  double predicted = 0;  // the same assignment, as the statistics predict it
+  double budget = 0;     // alpha x the defaults' predicted error
 };
 
 // The codecs in effect from effective_step on.
@@ -58,6 +107,10 @@ struct Assignment {
   uint64_t effective_step = 0;
   std::vector<uint32_t> choices;  // candidate index per layer
   Solution solution;              // the solver's summary (empty for epoch 0)
+  double alpha_eff = 0;           // the alpha the solve used (0 for epoch 0)
+  double bias = 1;                // the loop's estimate of the model's bias it used
+  WindowReading window;           // of the window it was solved from
+  std::vector<double> drift;      // per layer: the factor its errors were extrapolated by
 };
 
 class Controller {
@@ -113,16 +166,31 @@ class Controller {
   };
 
   void run();
-  Problem problem_from(const Job& job) const;
+  Problem problem_from(const Job& job, std::span<const double> drift) const;
+  std::vector<double> drift_of(const ErrorStats& stats, uint64_t window_last) const;
+  static double epoch_error(double steady, double now, uint64_t period);
+  double window_middle(uint64_t last) const;
   std::shared_ptr<const Assignment> solve_job(const Job& job);  // never throws
-  std::shared_ptr<const Assignment> solve_and_log(const Job& job);
+  std::shared_ptr<const Assignment> solve_and_log(const Job& job, const WindowReading& reading,
+                                                  std::span<const double> drift);
   std::shared_ptr<const Assignment> failed(const Job& job, const char* what);
+  // The closed loop's step for a window: reads it and updates alpha_eff_.
+  WindowReading read_window(const ErrorStats& stats) const;
+  void update_loop(const WindowReading& reading);
 
   const ControllerSettings settings_;
   const Schedule schedule_;
   const std::vector<Layer> layers_;
   const SolveFunction solve_;
   FILE* decision_log_ = nullptr;  // written by the solver thread only
+  // The closed loop's state (solver thread only): alpha_eff, and the choices in effect
+  // during the window being solved (the last successful solve's, or the defaults); each
+  // layer's gradient magnitude in the window before (0: unknown).
+  static constexpr double kDeadBand = 1.02, kMaxBias = 4, kRise = 1.01;
+  double alpha_eff_, bias_ = 1;
+  std::vector<uint32_t> in_effect_;
+  std::vector<double> last_magnitude_;
+  double last_middle_ = 0;  // of the window before (0: none yet)
 
   // Training-path state (one thread).
   std::shared_ptr<const Assignment> current_;

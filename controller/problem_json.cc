@@ -140,13 +140,22 @@ std::string decision_json(const DecisionContext& context, const Problem& problem
   out["stats_last_step"] = context.stats_last_step;
   out["effective_step"] = context.effective_step;
   out["samples"] = context.samples;
+  out["alpha"] = context.alpha;
+  out["alpha_eff"] = context.alpha_eff;
+  out["loop_bias"] = context.loop_bias;
+  out["window"] = {{"realized", context.window_realized},
+                   {"predicted", context.window_predicted},
+                   {"budget", context.window_budget}};
   const ordered totals = summary(problem, solution);
   for (const auto& item : totals.items()) out[item.key()] = item.value();
   out["solve_ms"] = solve_ms;
   ordered layers = ordered::array();
   for (size_t l = 0; l < problem.layers.size(); ++l) {
     const Candidate& c = problem.layers[l].candidates[solution.choices[l]];
-    layers.push_back({{"name", problem.layers[l].name}, {"codec", c.codec}, {"bytes", c.bytes}, {"error", c.error}});
+    ordered layer = {{"name", problem.layers[l].name}, {"codec", c.codec}, {"bytes", c.bytes}, {"error", c.error}};
+    if (context.layer_realized) layer["window_realized"] = (*context.layer_realized)[l];
+    if (!context.layer_drift.empty()) layer["drift"] = context.layer_drift[l];
+    layers.push_back(std::move(layer));
   }
   out["layers"] = std::move(layers);
   return dump(out);

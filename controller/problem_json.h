@@ -5,7 +5,9 @@
 
 #include <cstdint>
 #include <string>
+#include <span>
 #include <string_view>
+#include <vector>
 
 #include "controller/problem.h"
 #include "controller/solver.h"
@@ -25,7 +27,13 @@ struct DecisionContext {
   uint64_t epoch = 0;            // 1 for the first solved assignment
   uint64_t stats_last_step = 0;  // last step of the measurement window
   uint64_t effective_step = 0;   // first step that uses the assignment
-  uint64_t samples = 0;          // (step, rank) samples per layer behind the errors
+  uint64_t samples = 0;          // steps per layer behind the errors
+  // The closed loop on the realized error (controller.h): the alpha the solve used and the
+  // window's measurements of the assignment in effect during it.
+  double alpha = 1, alpha_eff = 1, loop_bias = 1;
+  double window_realized = 0, window_predicted = 0, window_budget = 0;
+  const std::vector<double>* layer_realized = nullptr;  // per layer, or null
+  std::span<const double> layer_drift;                  // per layer, or empty
 };
 
 // One line (no newline): the context, the solution summary and, per layer, the chosen

@@ -19,6 +19,7 @@
 #include "plugin/collective/cpu_backend.h"
 #include "plugin/collective/inproc_fabric.h"
 #include "kernels/lowrank.h"
+#include "tests/unit/pinned_run.h"
 #include "tests/unit/test_util.h"
 
 namespace lgreco::collective {
@@ -544,6 +545,13 @@ class ForwardingBackend : public Backend {
   }
   void divide(float* a, uint64_t n, float d) override { cpu_.divide(a, n, d); }
   void narrow(const float* a, uint64_t n, ElementSpan out) override { cpu_.narrow(a, n, out); }
+  void gather(std::span<const Run> r, ElementSpan src, uint64_t end, float scale, bool acc, float* dst) override {
+    cpu_.gather(r, src, end, scale, acc, dst);
+  }
+  void distance(std::span<const Segment> g, ElementSpan a, const float* b, int power, double w, double* out,
+                uint8_t* nf) override {
+    cpu_.distance(g, a, b, power, w, out, nf);
+  }
   void measure(const Plan& p, std::span<const Segment> g, ElementSpan in, const float* r, uint64_t rf,
                const Measure& m) override {
     cpu_.measure(p, g, in, r, rf, m);
@@ -794,7 +802,7 @@ BOOST_AUTO_TEST_CASE(measured_errors_are_the_output_errors) {
             realized += (out[i] - want) * (out[i] - want);
           }
         }
-        BOOST_TEST(stats->samples(l) == 2u * ranks);
+        BOOST_TEST(stats->samples(l) == 2u);  // one per step: the probe's rank counts it
         const double measured = stats->mean(l, 2) * static_cast<double>(stats->samples(l));  // 4 bits, the default
         BOOST_TEST_CONTEXT(algorithm_name(algorithm) << (op == ReduceOp::kAvg ? " avg" : " sum") << " layer " << l
                                                      << ": measured " << measured << ", realized " << realized) {
@@ -804,6 +812,104 @@ BOOST_AUTO_TEST_CASE(measured_errors_are_the_output_errors) {
       }
     }
 }
+
+// The error budget holds as measured (docs/CONTROLLER.md): over several epochs, with error
+// feedback, on layers whose gradients differ in scale (four decades) and tails (normal,
+// Laplace, Student's t with 4 degrees of freedom), lgreco's compression error (output
+// minus the exact reduction of what was encoded, computed here from the residuals) stays
+// within that of a uniform 4-bit run of the same gradients, for fewer bytes; with the
+// closed loop off too, so the model is right and not only corrected. Before the error
+// probe the narrow codecs were measured on the default's residuals, and this overspent.
+// (Not under ThreadSanitizer: its threads are those of the other engine tests, and its
+// size would take minutes there.)
+#if !defined(__SANITIZE_THREAD__)
+BOOST_AUTO_TEST_CASE(the_realized_error_stays_within_budget_over_epochs) {
+  const uint64_t seed = test::run_seed();
+  constexpr size_t kLayers = 16;
+  std::vector<CodecSpec> candidates;
+  for (int bits = 2; bits <= 8; ++bits) candidates.push_back(quant(bits));
+  BucketLayout bucket;
+  std::vector<double> scale;
+  for (size_t l = 0; l < kLayers; ++l) {
+    const uint64_t size = (8 + (l * 7) % 29) * 1024 + (l % 3) * 100;
+    bucket.layers.push_back({"layer" + std::to_string(l), bucket.count, size, candidates, 2});
+    bucket.count += size;
+    scale.push_back(std::pow(10.0, -2.0 + 3.0 * static_cast<double>((l * 5) % kLayers) / (kLayers - 1)));
+  }
+  // Rank r's gradient: per layer, its scale times a mean shared by the ranks (60%) plus the
+  // rank's own noise, of the layer's tail family (l % 3: normal, Laplace, t with 4 dof).
+  const auto draw = [](size_t family, std::mt19937_64& rng) {
+    if (family == 0) return std::normal_distribution<double>(0, 1)(rng);
+    if (family == 1) {
+      const double e = std::exponential_distribution<double>(std::sqrt(2.0))(rng);
+      return rng() & 1 ? e : -e;
+    }
+    return std::student_t_distribution<double>(4)(rng) / std::sqrt(2.0);
+  };
+  const auto input = [&](int r, uint64_t step, uint32_t) {
+    std::mt19937_64 shared_rng(seed ^ (step << 8)), own_rng(seed ^ (uint64_t(r + 1) << 40) ^ (step << 8));
+    std::vector<float> x(bucket.count);
+    for (size_t l = 0; l < kLayers; ++l)
+      for (uint64_t i = 0; i < bucket.layers[l].numel; ++i) {
+        const double shared = draw(l % 3, shared_rng), own = draw(l % 3, own_rng);
+        x[bucket.layers[l].offset + i] = static_cast<float>(scale[l] * (std::sqrt(0.6) * shared + std::sqrt(0.4) * own));
+      }
+    return x;
+  };
+  test::PinnedRun run;
+  run.ranks = 4;
+  run.buckets = {bucket};
+  run.steps = 36;  // switches at 7, 13, 19, 25, 31
+  run.input = input;
+  const auto options = [&](bool loop) {
+    return [loop](int) {
+      EngineOptions o;
+      o.codec = quant(4);
+      o.candidates.clear();
+      for (int bits = 2; bits <= 8; ++bits) o.candidates.push_back(quant(bits));
+      o.algorithm = Algorithm::kScatterReduceAllGather;
+      o.parameters_text = "budget";
+      o.controller.schedule = {6, 6, 2, 2};
+      o.controller.budget_loop = loop;
+      return o;
+    };
+  };
+  test::PinnedRun uniform = run;
+  uniform.options = [&](int r) {
+    EngineOptions o = options(true)(r);
+    o.mode = config::Mode::kUniform;
+    return o;
+  };
+  const test::PinnedResult reference = test::run_pinned(uniform);
+  BOOST_TEST_REQUIRE(reference.failures.empty(), reference.failures.front());
+  const auto total = [](const test::PinnedResult& r, uint64_t from, uint64_t to) {
+    double e = 0;
+    for (uint64_t step = from; step < std::min<uint64_t>(to, r.error.size()); ++step)
+      for (double v : r.error[step][0]) e += v;
+    return e;
+  };
+  for (bool loop : {true, false}) {
+    run.options = options(loop);
+    const test::PinnedResult adaptive = test::run_pinned(run);
+    BOOST_TEST_REQUIRE(adaptive.failures.empty(), adaptive.failures.front());
+    // From the second adaptive epoch on (the first starts from the default's residuals).
+    const double ratio = total(adaptive, 13, 36) / total(reference, 13, 36);
+    std::string epochs;
+    for (uint64_t from : {7, 13, 19, 25, 31})
+      epochs += " " + std::to_string(total(adaptive, from, from + 6) / total(reference, from, from + 6));
+    BOOST_TEST_CONTEXT("seed " << seed << ", loop " << (loop ? "on" : "off") << ": compression error over the uniform "
+                               << "run's " << ratio << "; per epoch" << epochs) {
+      BOOST_TEST_MESSAGE("loop " << (loop ? "on" : "off") << ": compression error over the uniform run's " << ratio
+                                 << "; per epoch" << epochs);
+      BOOST_TEST(ratio <= 1.05);
+      BOOST_TEST(ratio >= 0.80);  // the budget used, not wasted
+      const uint64_t bytes = adaptive.encoded_bytes[35] - adaptive.encoded_bytes[12];
+      const uint64_t uniform_bytes = reference.encoded_bytes[35] - reference.encoded_bytes[12];
+      BOOST_TEST(bytes * 1.1 < uniform_bytes);
+    }
+  }
+}
+#endif
 
 // The controller switches every rank to the same assignment at the same step.
 BOOST_AUTO_TEST_CASE(adaptive_switches_are_the_same_on_every_rank) {
@@ -909,7 +1015,7 @@ BOOST_AUTO_TEST_CASE(topk_measured_errors_are_the_output_errors) {
             realized += (outputs[0][step][i] - want) * (outputs[0][step][i] - want);
           }
         }
-        BOOST_TEST(stats->samples(l) == 2u * ranks);
+        BOOST_TEST(stats->samples(l) == 2u);  // one per step: the probe's rank counts it
         const double samples = static_cast<double>(stats->samples(l));
         const double measured = stats->mean(l, 1) * samples;  // topk 0.05, the default
         BOOST_TEST_CONTEXT(algorithm_name(algorithm) << (op == ReduceOp::kAvg ? " avg" : " sum") << " layer " << l

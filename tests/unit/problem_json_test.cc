@@ -130,7 +130,19 @@ BOOST_AUTO_TEST_CASE(solution_and_decision_lines_are_json_with_every_field) {
   BOOST_TEST(out.at("solve_ms").get<double>() == 1.5);
   BOOST_TEST(out.at("objective").get<std::string>() == "time");
 
-  const controller::DecisionContext context{3, 299, 302, 40};
+  controller::DecisionContext context;
+  context.epoch = 3;
+  context.stats_last_step = 299;
+  context.effective_step = 302;
+  context.samples = 40;
+  context.alpha = 1.0;
+  context.alpha_eff = 0.8125;
+  context.window_realized = 3.5;
+  context.window_predicted = 3.0;
+  context.window_budget = 3.25;
+  const std::vector<double> realized = {1.5, 0.0}, drift = {0.75, 1.0};
+  context.layer_realized = &realized;
+  context.layer_drift = drift;
   const std::string line = controller::decision_json(context, p, s, 0.25);
   BOOST_TEST(line.find('\n') == std::string::npos);
   const json d = json::parse(line);
@@ -143,6 +155,14 @@ BOOST_AUTO_TEST_CASE(solution_and_decision_lines_are_json_with_every_field) {
   BOOST_TEST(d.at("layers")[0].at("name").get<std::string>() == "conv1");
   BOOST_TEST(d.at("layers")[0].at("codec").get<std::string>() == p.layers[0].candidates[s.choices[0]].codec);
   BOOST_TEST(d.at("layers")[1].at("bytes").get<uint64_t>() == 256u);
+  // The closed loop and the drift (controller.h).
+  BOOST_TEST(d.at("alpha").get<double>() == 1.0);
+  BOOST_TEST(d.at("alpha_eff").get<double>() == 0.8125);
+  BOOST_TEST(d.at("window").at("realized").get<double>() == 3.5);
+  BOOST_TEST(d.at("window").at("predicted").get<double>() == 3.0);
+  BOOST_TEST(d.at("window").at("budget").get<double>() == 3.25);
+  BOOST_TEST(d.at("layers")[0].at("window_realized").get<double>() == 1.5);
+  BOOST_TEST(d.at("layers")[0].at("drift").get<double>() == 0.75);
 }
 
 BOOST_AUTO_TEST_SUITE_END()
