@@ -9,30 +9,33 @@
 // per-row scales, a shared mean with per-rank noise (data-parallel gradients are
 // correlated), and scales that drift over training at a different pace per layer group.
 //
+// Beside it each rank runs a second engine, uniform 4 bits, on the same gradients: the
+// reference every error is compared with (a real run, not an extrapolation).
+//
 // Per epoch (one assignment of the controller) it prints the mean bits chosen per layer
-// group, the bytes against float32 and against uniform 4 bits, the controller's predicted
-// error against its budget, the measured error of the allreduce output against the
-// float64 sum of the ranks' inputs, and the solve time. It writes a PNG of the bits of
-// every adaptive layer at every step, and ends with one line for scripts:
+// group, the bytes against float32 and against uniform 4 bits, the alpha the solve used
+// (the closed loop's alpha_eff), the controller's predicted error against its budget, the
+// compression error (the output minus the exact sum of what the ranks encoded, gradients
+// plus residuals, docs/CONTROLLER.md) and the output's error against the exact gradient
+// sum, each over the uniform run's on the same steps, and the solve time. It writes a
+// PNG of the bits of every adaptive layer at every step, and ends with one line for
+// scripts:
 //
 //   demo: ranks=4 steps=40 bytes_vs_fp32=... bytes_vs_uniform=... error_vs_budget=...
+//         output_error_vs_uniform=... alpha_eff=...
+//
+// error_vs_budget is the compression error of the adaptive epochs over the uniform run's
+// on the same steps (the budget at alpha = 1); output_error_vs_uniform the same for the
+// error against the exact gradient sum; alpha_eff the mean alpha the solves used. The
+// lines before it give the realized over the predicted error by codec (the prediction is
+// right, not only the total) and the worst adaptive epoch after the first.
 //
 // Candidates: quantization at 2..8 bits (default), or with --families quant,topk also
 // TopK at densities 0.1%..5%, the default codec staying 4 bits. Then a layer's bits per
 // value is TopK's 64 k / n, a `topk` column counts the adaptive layers on TopK per epoch,
 // a comment line says which groups and densities chose it, the plot colours TopK red to
 // peach, and the last line ends with " families=quant,topk". The gradients are the same
-// under both settings. On them the controller gives TopK at 0.1% (0.064 bits per value)
-// to most layers whose gradients are small against the largest layers' (scales span four
-// decades): what such a layer loses waits in its error-feedback residual, and the budget
-// it frees buys the largest layers more bits.
-//
-// How the uniform 4-bit error is known at later steps without running a second engine:
-// the steps before the first switch run uniform 4 bits; max-min quantization is scale
-// equivariant and each layer's tail shape is fixed, so each layer's relative squared
-// error measured there, times its exact norm at a later step, is uniform 4 bits' error at
-// that step. error_vs_budget is the measured squared error over that, summed over the
-// adaptive epochs (the budget is alpha = 1 times uniform 4 bits' squared error).
+// under both settings.
 #include <algorithm>
 #include <atomic>
 #include <barrier>
@@ -48,6 +51,7 @@
 #include <mutex>
 #include <numbers>
 #include <numeric>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -70,13 +74,9 @@ using collective::EngineOptions;
 
 // Uniform 4 bits until step 6 (the first window measures steps 3-4, after error feedback
 // has settled), then a switch every 5 steps, each solved from steps 2-3 before it during
-// a lag of 2 steps: several epochs in a run of a few dozen steps.
+// a lag of 2 steps: several epochs in a run of a few dozen steps. --warmup, --period and
+// --window change the first three (a real run's schedule is 100/100/10).
 constexpr controller::ScheduleSettings kSchedule{.warmup = 5, .period = 5, .window = 2, .switch_lag = 2};
-constexpr uint64_t kFirstSwitch = kSchedule.warmup - 1 + kSchedule.switch_lag;
-// Uniform 4 bits' per-layer error is taken from the uniform steps from the first window
-// on: error feedback's residuals take a few steps to reach their steady size, and
-// earlier steps would understate the error (by about 3% from step 1, measured).
-constexpr uint64_t kFirstUniformStep = kSchedule.warmup - kSchedule.window;
 constexpr uint64_t kDefaultSteps = 40;
 constexpr int kMaxRanks = 16;
 constexpr int kDefaultBits = 4, kMinBits = 2, kMaxBits = 8;
@@ -92,21 +92,29 @@ constexpr uint8_t kNoChoice = 255;
 
 const char kUsage[] = R"(usage: lgreco-demo [--steps N] [--ranks P] [--seed S] [--png PATH] [--registration FILE]
                    [--algorithm auto|sra|allgather] [--families quant|quant,topk]
+                   [--warmup N] [--period N] [--window N] [--loop on|off] [--decision-log PATH]
 
 Runs lgreco's compressed allreduce (the engine with error feedback and the L-GreCo
 controller choosing 2..8 bits per layer, default 4, and TopK densities too with
 --families quant,topk) on P ranks as threads of this process, over the gradient buckets
 of ResNet-50 (embedded registration) or of FILE, with synthetic gradients whose
-per-layer scale, tails and drift over training differ as real ones do.
+per-layer scale, tails and drift over training differ as real ones do. Beside it, on the
+same gradients, a second engine runs uniform 4 bits: the reference every error is
+compared with.
 Per epoch of the controller it prints the mean bits per layer group, the bytes against
-float32 and uniform 4 bits, the error against the budget and the solve time; it writes a
-PNG of the codec chosen for every layer at every step. The last line reads
+float32 and uniform 4 bits, the alpha the solve used, the errors against uniform 4 bits'
+and the solve time; it writes a PNG of the codec chosen for every layer at every step.
+The last line reads
   demo: ranks=P steps=N bytes_vs_fp32=R bytes_vs_uniform=R error_vs_budget=R
-(bytes: float32's or uniform 4 bits' over lgreco's; error: measured squared error over
-uniform 4 bits', the budget at alpha = 1; both over the adaptive epochs), followed by
-" families=quant,topk" when TopK is among the candidates.
+        output_error_vs_uniform=R alpha_eff=R
+(on one line; bytes: float32's or uniform 4 bits' over lgreco's; error_vs_budget:
+lgreco's compression error, output minus the exact sum of what was encoded, over the
+uniform run's, which is the budget at alpha = 1; output_error_vs_uniform: the error of the
+output against the exact sum of the gradients, the same way; alpha_eff: the mean alpha
+the solves used; all over the adaptive epochs), followed by " families=quant,topk" when
+TopK is among the candidates.
 
-  --steps N            steps (default 40; at least 7: the first switch is at step 6)
+  --steps N            steps (default 40; at least the first switch + 1, step 7 by default)
   --ranks P            ranks, 2..16 (default 4); each holds its gradients and the engine's buffers
   --seed S             seed of the gradients and the rounding noise (default 1)
   --png PATH           where the plot goes (default build/demo/bits.png)
@@ -120,6 +128,13 @@ uniform 4 bits', the budget at alpha = 1; both over the adaptive epochs), follow
                                      all-gathers its TopK layers (docs/ENGINE.md). The
                                      default codec stays quant:bits=4: the budget and the
                                      uniform 4 bits comparison mean the same.
+  --warmup N           the controller's schedule (docs/CONTROLLER.md; defaults 5, 5, 2,
+  --period N             with a switch lag of 2; a real run's are 100, 100, 10, 3): the
+  --window N             first window ends at step warmup - 1, one every period after it
+  --loop on|off        the closed loop on the realized error (default on); off: every solve
+                       uses alpha = 1 (docs/CONTROLLER.md)
+  --decision-log PATH  append rank 0's decision log there (one JSON line per solve:
+                       LGRECO_DECISION_LOG's format, docs/CONTROLLER.md)
 )";
 
 struct Options {
@@ -130,6 +145,10 @@ struct Options {
   std::string registration;
   collective::Algorithm algorithm = collective::Algorithm::kAuto;
   bool topk = false;  // --families quant,topk
+  controller::ScheduleSettings schedule = kSchedule;
+  bool loop = true;
+  std::string decision_log;  // rank 0's, when set
+  uint64_t first_switch() const { return schedule.warmup - 1 + schedule.switch_lag; }
 };
 
 // "quant" or "quant,topk" (either order). TopK alone is not offered: the default codec,
@@ -179,13 +198,31 @@ Options parse_options(int argc, char** argv, bool* help) {
             "--families must be quant or quant,topk" +
             std::string(v == "topk" ? " (not topk alone: the budget is 4-bit quantization's error)" : "") + ": '" + v +
             "'");
+    } else if (arg == "--warmup") {
+      o.schedule.warmup = cli::parse_u64(arg, args.value());
+    } else if (arg == "--period") {
+      o.schedule.period = cli::parse_u64(arg, args.value());
+    } else if (arg == "--window") {
+      o.schedule.window = cli::parse_u64(arg, args.value());
+    } else if (arg == "--decision-log") {
+      o.decision_log = args.value();
+      if (o.decision_log.empty()) throw cli::UsageError("--decision-log needs a path");
+    } else if (arg == "--loop") {
+      const std::string v = args.value();
+      if (v != "on" && v != "off") throw cli::UsageError("--loop must be on or off: '" + v + "'");
+      o.loop = v == "on";
     } else {
       throw cli::UsageError("unknown option " + arg);
     }
   }
-  if (o.steps <= kFirstSwitch || o.steps > 100000)
-    throw cli::UsageError("--steps must be " + std::to_string(kFirstSwitch + 1) +
-                          "..100000 (the first assignment takes effect at step " + std::to_string(kFirstSwitch) +
+  const controller::ScheduleSettings& s = o.schedule;
+  if (const std::string bad = config::schedule_rule_violation(s.warmup, s.period, s.window, s.switch_lag); !bad.empty())
+    throw cli::UsageError("--warmup " + std::to_string(s.warmup) + " --period " + std::to_string(s.period) +
+                          " --window " + std::to_string(s.window) + " (switch lag " + std::to_string(s.switch_lag) +
+                          "): " + bad);
+  if (o.steps <= o.first_switch() || o.steps > 100000)
+    throw cli::UsageError("--steps must be " + std::to_string(o.first_switch() + 1) +
+                          "..100000 (the first assignment takes effect at step " + std::to_string(o.first_switch()) +
                           "): " + std::to_string(o.steps));
   return o;
 }
@@ -420,17 +457,33 @@ class Gradients {
 };
 
 // ---------------------------------------------------------------------------------------
-// One run: ranks as threads.
+// One run: ranks as threads, each with two engines on the same gradients: lgreco's
+// (adaptive) and a uniform one at the default codec, the reference its errors are
+// compared with.
+
+enum RunKind { kAdaptiveRun = 0, kUniformRun = 1, kRuns = 2 };
+
+// The errors of one step, per layer, summed over the ranks' shares of the check.
+struct StepErrors {
+  // Compression error (docs/CONTROLLER.md): ||out - exact(what was encoded)||^2, where
+  // what was encoded is every rank's gradient plus its residual, plus the owner residual
+  // of the element's owner under sra. Output error: ||out - sum of the gradients||^2.
+  std::vector<double> compression[kRuns], output[kRuns];
+  std::vector<double> norm;  // ||sum of the gradients||^2
+};
 
 // What rank 0 saw at one step.
 struct StepRecord {
   uint64_t epoch = 0;
   std::vector<uint8_t> choice;  // per layer (registration order): index into the candidates, or kNoChoice
   collective::EngineCounters counters;
-  controller::Solution solution;  // of the assignment in effect
+  std::shared_ptr<const controller::Assignment> assignment;  // in effect
   double solve_ms = 0;
   std::vector<collective::Algorithm> algorithms;  // per bucket
-  std::vector<double> error, norm;                // per layer: ||out - exact||^2 and ||exact||^2
+  // The statistics the assignment in effect was solved from (empty in epoch 0).
+  std::optional<controller::ErrorStats> stats;
+  uint64_t probe_sampled = 0;  // values the error probe samples
+  StepErrors errors;
 };
 
 struct Timers {
@@ -443,17 +496,30 @@ class Run {
       const Gradients& gradients)
       : o_(options),
         layouts_(std::move(layouts)),
-        engine_options_(std::move(engine_options)),
         model_(model),
         gradients_(gradients),
-        hub_(std::make_shared<collective::InProcHub>(options.ranks, std::chrono::minutes(5))),
         sync_(options.ranks),
         inputs_(options.ranks),
-        errors_(options.ranks),
-        norms_(options.ranks),
+        shares_(options.ranks),
         timers_(options.ranks) {
-    for (int r = 0; r < o_.ranks; ++r)
+    engine_options_[kAdaptiveRun] = engine_options;
+    engine_options_[kUniformRun] = engine_options;
+    engine_options_[kUniformRun].mode = config::Mode::kUniform;
+    engine_options_[kUniformRun].parameters_text += " uniform";
+    for (int run = 0; run < kRuns; ++run) {
+      hubs_[run] = std::make_shared<collective::InProcHub>(options.ranks, std::chrono::minutes(5));
+      outputs_[run].resize(options.ranks);
+      residuals_[run].resize(options.ranks);
+      owner_residuals_[run].resize(options.ranks);
+    }
+    for (int r = 0; r < o_.ranks; ++r) {
       for (const BucketLayout& b : layouts_) inputs_[r].emplace_back(b.count * dtype_size(b.dtype));
+      for (int run = 0; run < kRuns; ++run) {
+        for (const BucketLayout& b : layouts_) outputs_[run][r].emplace_back(b.count * dtype_size(b.dtype));
+        residuals_[run][r].resize(layouts_.size());
+        owner_residuals_[run][r].resize(layouts_.size());
+      }
+    }
   }
 
   // Runs every step; calls `on_step` on rank 0's thread after each. Returns "" or why it
@@ -473,13 +539,21 @@ class Run {
     failed_ = true;
   }
 
+  void abort_all(const std::string& why) {
+    for (auto& hub : hubs_) hub->abort(why);
+  }
+
   void rank_main(int r, const std::function<void(uint64_t, const StepRecord&)>& on_step) {
     try {
-      collective::InProcFabric fabric(hub_, r);
-      collective::CpuBackend backend;
-      Engine engine(engine_options_, layouts_, fabric, backend);
-      std::vector<std::vector<uint8_t>> outputs;
-      for (const BucketLayout& b : layouts_) outputs.emplace_back(b.count * dtype_size(b.dtype));
+      std::unique_ptr<collective::InProcFabric> fabrics[kRuns];
+      collective::CpuBackend backends[kRuns];
+      std::unique_ptr<Engine> engines[kRuns];
+      for (int run = 0; run < kRuns; ++run) {
+        fabrics[run] = std::make_unique<collective::InProcFabric>(hubs_[run], r);
+        EngineOptions options = engine_options_[run];
+        if (run == kAdaptiveRun && r == 0) options.controller.decision_log_path = o_.decision_log;
+        engines[run] = std::make_unique<Engine>(options, layouts_, *fabrics[run], backends[run]);
+      }
       std::vector<float> staging;  // for buckets that are not float32
       Timers& timer = timers_[r];
       for (uint64_t step = 0; step < o_.steps; ++step) {
@@ -487,48 +561,58 @@ class Run {
         for (uint32_t b = 0; b < layouts_.size(); ++b) generate(r, step, b, staging);
         double t1 = cli::seconds_now();
         timer.generate += t1 - t0;
-        for (uint32_t b = 0; b < layouts_.size() && !failed_; ++b) {
-          const collective::EngineCall call{.bucket = b,
-                                            .step = step,
-                                            .send = inputs_[r][b].data(),
-                                            .recv = outputs[b].data(),
-                                            .count = layouts_[b].count,
-                                            .dtype = layouts_[b].dtype,
-                                            .op = collective::ReduceOp::kSum};
-          const collective::CallOutcome out = engine.allreduce(call);
-          if (out.kind != collective::CallOutcome::Kind::kDone) {
-            fail("rank " + std::to_string(r) + ", step " + std::to_string(step) + ", bucket " + std::to_string(b) +
-                 (out.kind == collective::CallOutcome::Kind::kPassThrough ? ": the engine passed the call through: "
-                                                                          : ": ") +
-                 out.message);
-            hub_->abort("rank " + std::to_string(r) + " failed");
-            break;
+        for (int run = 0; run < kRuns && !failed_; ++run)
+          for (uint32_t b = 0; b < layouts_.size() && !failed_; ++b) {
+            // What this call will encode besides the gradient: the residuals as they stand.
+            residuals_[run][r][b] = engines[run]->residual_snapshot(b);
+            owner_residuals_[run][r][b] = engines[run]->owner_residual_snapshot(b);
+            const collective::EngineCall call{.bucket = b,
+                                              .step = step,
+                                              .send = inputs_[r][b].data(),
+                                              .recv = outputs_[run][r][b].data(),
+                                              .count = layouts_[b].count,
+                                              .dtype = layouts_[b].dtype,
+                                              .op = collective::ReduceOp::kSum};
+            const collective::CallOutcome out = engines[run]->allreduce(call);
+            if (out.kind != collective::CallOutcome::Kind::kDone) {
+              fail("rank " + std::to_string(r) + ", step " + std::to_string(step) + ", bucket " + std::to_string(b) +
+                   (run == kUniformRun ? " (the uniform reference run)" : "") +
+                   (out.kind == collective::CallOutcome::Kind::kPassThrough ? ": the engine passed the call through: "
+                                                                            : ": ") +
+                   out.message);
+              abort_all("rank " + std::to_string(r) + " failed");
+              break;
+            }
           }
-        }
         t0 = cli::seconds_now();
         timer.allreduce += t0 - t1;
         StepRecord record;
-        if (r == 0) record = snapshot(engine);
+        if (r == 0) record = snapshot(*engines[kAdaptiveRun]);
         sync_.arrive_and_wait();  // every output and input of this step is ready
         if (failed_) break;
-        check(r, outputs);
+        check(r);
         timer.check += cli::seconds_now() - t0;
         sync_.arrive_and_wait();  // every rank's share of the check is done
         if (failed_) break;
         if (r == 0) {
-          record.error.assign(model_.layers.size(), 0.0);
-          record.norm.assign(model_.layers.size(), 0.0);
+          StepErrors& e = record.errors;
+          const size_t n = model_.layers.size();
+          for (int run = 0; run < kRuns; ++run) e.compression[run].assign(n, 0.0), e.output[run].assign(n, 0.0);
+          e.norm.assign(n, 0.0);
           for (int q = 0; q < o_.ranks; ++q)
-            for (size_t l = 0; l < model_.layers.size(); ++l) {
-              record.error[l] += errors_[q][l];
-              record.norm[l] += norms_[q][l];
+            for (size_t l = 0; l < n; ++l) {
+              for (int run = 0; run < kRuns; ++run) {
+                e.compression[run][l] += shares_[q].compression[run][l];
+                e.output[run][l] += shares_[q].output[run][l];
+              }
+              e.norm[l] += shares_[q].norm[l];
             }
           on_step(step, record);
         }
       }
     } catch (const std::exception& e) {
       fail("rank " + std::to_string(r) + ": " + e.what());
-      hub_->abort("rank " + std::to_string(r) + " failed");
+      abort_all("rank " + std::to_string(r) + " failed");
       sync_.arrive_and_drop();  // the others do not wait for this rank at the barriers
     }
   }
@@ -548,10 +632,12 @@ class Run {
     StepRecord s;
     s.epoch = engine.epoch();
     s.counters = engine.counters();
-    if (const auto a = engine.assignment()) s.solution = a->solution;
+    s.assignment = engine.assignment();
     if (const controller::Controller* c = engine.controller()) s.solve_ms = c->counters().last_solve_ms;
+    if (s.epoch > 0) s.stats = engine.last_window_stats();
+    s.probe_sampled = engine.probe_sampled();
     for (uint32_t b = 0; b < layouts_.size(); ++b) s.algorithms.push_back(engine.algorithm(b));
-    const std::vector<CodecSpec>& candidates = engine_options_.candidates;
+    const std::vector<CodecSpec>& candidates = engine_options_[kAdaptiveRun].candidates;
     for (uint32_t b = 0; b < layouts_.size(); ++b)
       for (const CodecSpec& c : engine.layer_codecs(b)) {
         const size_t at = std::find(candidates.begin(), candidates.end(), c) - candidates.begin();
@@ -560,56 +646,63 @@ class Run {
     return s;
   }
 
-  // This rank's share of the error check: a 1/P slice of every bucket, against the exact
-  // float64 sum of all ranks' inputs. Outputs are bit-identical on every rank (a test of
-  // the engine checks that), so each rank reads its own.
-  void check(int r, const std::vector<std::vector<uint8_t>>& outputs) {
-    std::vector<double>& err = errors_[r];
-    std::vector<double>& nrm = norms_[r];
-    err.assign(model_.layers.size(), 0.0);
-    nrm.assign(model_.layers.size(), 0.0);
+  // The owner residual rank q held for element i of bucket b before the call (0 where q
+  // does not own i, or without sra).
+  static float owner_part(const std::pair<uint64_t, std::vector<float>>& owned, uint64_t i) {
+    return i >= owned.first && i - owned.first < owned.second.size() ? owned.second[i - owned.first] : 0.0f;
+  }
+
+  // This rank's share of the error check: a 1/P slice of every bucket, against float64
+  // sums of all ranks' inputs (and, for the compression error, their residuals).
+  // Outputs are bit-identical on every rank (a test of the engine checks that), so each
+  // rank reads its own.
+  void check(int r) {
+    StepErrors& share = shares_[r];
+    const size_t layers = model_.layers.size();
+    for (int run = 0; run < kRuns; ++run) share.compression[run].assign(layers, 0.0), share.output[run].assign(layers, 0.0);
+    share.norm.assign(layers, 0.0);
     const int p = o_.ranks;
-    for (size_t l = 0; l < model_.layers.size(); ++l) {
+    for (size_t l = 0; l < layers; ++l) {
       const LayerInfo& info = model_.layers[l];
-      const BucketLayout& layout = layouts_[info.bucket];
+      const uint32_t b = info.bucket;
+      const BucketLayout& layout = layouts_[b];
       const uint64_t begin = layout.count * r / p, end = layout.count * (r + 1) / p;
       const uint64_t lo = std::max(begin, info.offset), hi = std::min(end, info.offset + info.numel);
       if (lo >= hi) continue;
-      double e = 0, n = 0;
-      if (layout.dtype == DType::kFloat32) {
-        const float* in[kMaxRanks];
-        for (int q = 0; q < p; ++q) in[q] = reinterpret_cast<const float*>(inputs_[q][info.bucket].data());
-        const float* out = reinterpret_cast<const float*>(outputs[info.bucket].data());
-        for (uint64_t i = lo; i < hi; ++i) {
-          double x = 0;
-          for (int q = 0; q < p; ++q) x += in[q][i];
-          const double d = out[i] - x;
-          e += d * d;
-          n += x * x;
-        }
-      } else {
-        for (uint64_t i = lo; i < hi; ++i) {
-          double x = 0;
-          for (int q = 0; q < p; ++q) x += load_as_float(inputs_[q][info.bucket].data(), layout.dtype, i);
-          const double d = load_as_float(outputs[info.bucket].data(), layout.dtype, i) - x;
-          e += d * d;
-          n += x * x;
+      double compression[kRuns] = {}, output[kRuns] = {}, norm = 0;
+      for (uint64_t i = lo; i < hi; ++i) {
+        double x = 0;
+        for (int q = 0; q < p; ++q) x += load_as_float(inputs_[q][b].data(), layout.dtype, i);
+        norm += x * x;
+        for (int run = 0; run < kRuns; ++run) {
+          double encoded = x;
+          for (int q = 0; q < p; ++q) {
+            const std::vector<float>& residual = residuals_[run][q][b];
+            if (!residual.empty()) encoded += residual[i];
+            encoded += owner_part(owner_residuals_[run][q][b], i);
+          }
+          const double out = load_as_float(outputs_[run][r][b].data(), layout.dtype, i);
+          compression[run] += (out - encoded) * (out - encoded);
+          output[run] += (out - x) * (out - x);
         }
       }
-      err[l] = e;
-      nrm[l] = n;
+      for (int run = 0; run < kRuns; ++run) share.compression[run][l] = compression[run], share.output[run][l] = output[run];
+      share.norm[l] = norm;
     }
   }
 
   const Options& o_;
   const std::vector<BucketLayout> layouts_;
-  const EngineOptions engine_options_;
+  EngineOptions engine_options_[kRuns];
   const Model& model_;
   const Gradients& gradients_;
-  std::shared_ptr<collective::InProcHub> hub_;
+  std::shared_ptr<collective::InProcHub> hubs_[kRuns];
   std::barrier<> sync_;
-  std::vector<std::vector<std::vector<uint8_t>>> inputs_;  // [rank][bucket], read by every rank's check
-  std::vector<std::vector<double>> errors_, norms_;        // [rank][layer]: each rank's share of a step
+  std::vector<std::vector<std::vector<uint8_t>>> inputs_;               // [rank][bucket], read by every rank's check
+  std::vector<std::vector<std::vector<uint8_t>>> outputs_[kRuns];       // [run][rank][bucket]
+  std::vector<std::vector<std::vector<float>>> residuals_[kRuns];       // [run][rank][bucket], before the call
+  std::vector<std::vector<std::pair<uint64_t, std::vector<float>>>> owner_residuals_[kRuns];
+  std::vector<StepErrors> shares_;  // [rank]: each rank's share of a step
   std::vector<Timers> timers_;
   std::mutex mutex_;
   std::atomic<bool> failed_{false};
@@ -763,12 +856,22 @@ std::vector<uint8_t> plot(const Model& m, const std::vector<CodecSpec>& candidat
 // What the demo adds up over an epoch, or over all adaptive epochs.
 struct Totals {
   uint64_t epoch = 0, first_step = 0, steps = 0;
-  std::vector<uint8_t> choice;    // per layer, at the first step: index into the candidates
-  controller::Solution solution;  // of the epoch's assignment
+  std::vector<uint8_t> choice;  // per layer, at the first step: index into the candidates
+  std::shared_ptr<const controller::Assignment> assignment;  // of the epoch
+  std::optional<controller::ErrorStats> stats;                // it was solved from
   double solve_ms = 0;
   uint64_t encoded = 0, uncompressed = 0, uniform = 0;  // bytes of one encoding per call
-  double error = 0, norm = 0, uniform_error = 0;        // squared, summed over layers and steps
-  bool uniform_known = false;
+  uint64_t wire = 0, probe = 0;                         // bytes rank 0 sent, and of those the probe's
+  // Squared errors summed over layers and steps (StepErrors).
+  double compression[kRuns] = {}, output[kRuns] = {}, norm = 0;
+  double alpha_eff = 0;                      // summed over steps
+  std::vector<double> layer_compression;     // per layer, the adaptive run's, summed over steps
+};
+
+// Realized over predicted compression error of the layers at one codec.
+struct CodecCheck {
+  double realized = 0, predicted = 0;
+  uint64_t layer_epochs = 0;
 };
 
 // The table, one line per epoch, printed on rank 0's thread as the steps come in.
@@ -776,8 +879,7 @@ class Report {
  public:
   Report(const Model& model, const std::vector<CodecSpec>& candidates, bool topk, uint64_t uniform_bytes)
       : model_(model), candidates_(candidates), topk_(topk), uniform_bytes_(uniform_bytes) {
-    uniform_error_.assign(model.layers.size(), 0.0);
-    uniform_norm_.assign(model.layers.size(), 0.0);
+    by_codec_.resize(candidates.size());
   }
 
   void print_header() {
@@ -789,7 +891,7 @@ class Report {
       snprintf(cell, sizeof cell, " %*s", widths_.back(), shown.c_str());
       header += cell;
     }
-    printf("%s    all%s  vs_fp32  vs_u4  pred/bud   rel_err    u4_err  err/bud  solve_ms\n", header.c_str(),
+    printf("%s    all%s  vs_fp32  vs_u4  alpha_eff  pred/bud  cmp/u4  out/u4   rel_err  solve_ms\n", header.c_str(),
            topk_ ? " topk" : "");
     fflush(stdout);
   }
@@ -797,48 +899,71 @@ class Report {
   void add(uint64_t step, const StepRecord& s) {
     choices_by_step_.push_back(s.choice);
     if (step == 0) algorithms_ = s.algorithms;
+    probe_sampled_ = s.probe_sampled;
     if (current_.steps == 0 || s.epoch != current_.epoch) {
       if (current_.steps > 0) {
-        print(current_);
+        finish_epoch(current_);
         switch_steps_.push_back(step);
       }
       current_ = Totals{};
       current_.epoch = s.epoch;
       current_.first_step = step;
       current_.choice = s.choice;
-      current_.solution = s.solution;
+      current_.assignment = s.assignment;
+      current_.stats = s.stats;
       current_.solve_ms = s.solve_ms;
+      current_.layer_compression.assign(model_.layers.size(), 0.0);
     }
     const uint64_t encoded = s.counters.encoded_bytes - last_.encoded_bytes;
     const uint64_t uncompressed = s.counters.uncompressed_bytes - last_.uncompressed_bytes;
+    const uint64_t wire = s.counters.wire_bytes_sent - last_.wire_bytes_sent;
+    const uint64_t probe = s.counters.probe_bytes_sent - last_.probe_bytes_sent;
     last_ = s.counters;
+    const StepErrors& e = s.errors;
     const size_t n = model_.layers.size();
-    double error = 0, norm = 0, uniform = 0;
-    for (size_t l = 0; l < n; ++l) error += s.error[l], norm += s.norm[l];
-    if (s.epoch == 0 && step >= kFirstUniformStep && step < kFirstSwitch)
-      for (size_t l = 0; l < n; ++l) uniform_error_[l] += s.error[l], uniform_norm_[l] += s.norm[l];
     const bool adaptive = s.epoch > 0;
-    if (adaptive)
-      for (size_t l = 0; l < n; ++l)
-        if (uniform_norm_[l] > 0) uniform += uniform_error_[l] / uniform_norm_[l] * s.norm[l];
+    const double alpha_eff = adaptive && s.assignment ? s.assignment->alpha_eff : 1.0;
     for (Totals* t : {&current_, adaptive ? &adaptive_ : nullptr}) {
       if (!t) continue;
       ++t->steps;
       t->encoded += encoded;
       t->uncompressed += uncompressed;
       t->uniform += uniform_bytes_;
-      t->error += error;
-      t->norm += norm;
-      if (adaptive) t->uniform_error += uniform, t->uniform_known = true;
+      t->wire += wire;
+      t->probe += probe;
+      t->alpha_eff += alpha_eff;
+      for (size_t l = 0; l < n; ++l) {
+        for (int run = 0; run < kRuns; ++run) t->compression[run] += e.compression[run][l], t->output[run] += e.output[run][l];
+        t->norm += e.norm[l];
+      }
     }
+    for (size_t l = 0; l < n; ++l) current_.layer_compression[l] += e.compression[kAdaptiveRun][l];
   }
 
   void finish() {
-    if (current_.steps > 0) print(current_);
+    if (current_.steps > 0) finish_epoch(current_);
   }
 
   const Totals& adaptive() const { return adaptive_; }
   const std::vector<std::vector<uint8_t>>& choices_by_step() const { return choices_by_step_; }
+  uint64_t probe_sampled() const { return probe_sampled_; }
+  // The largest compression error over uniform's of an adaptive epoch after the first.
+  double worst_later_epoch() const { return worst_later_; }
+
+  // Realized over predicted compression error by codec, over the adaptive epochs after
+  // the first (their assignments were solved from windows under adaptive assignments).
+  std::string codec_check() const {
+    std::string s;
+    for (size_t c = 0; c < candidates_.size(); ++c) {
+      const CodecCheck& k = by_codec_[c];
+      if (k.layer_epochs == 0) continue;
+      char cell[96];
+      snprintf(cell, sizeof cell, "%s%s %.3f (%llu)", s.empty() ? "" : ", ", codec_label(candidates_[c]).c_str(),
+               k.predicted > 0 ? k.realized / k.predicted : 0.0, static_cast<unsigned long long>(k.layer_epochs));
+      s += cell;
+    }
+    return s.empty() ? "(no adaptive epoch after the first)" : s;
+  }
 
   // With TopK among the candidates: which adaptive layers chose it, over the adaptive
   // epochs, by group and by density. One line.
@@ -859,6 +984,37 @@ class Report {
   const std::vector<collective::Algorithm>& algorithms() const { return algorithms_; }
 
  private:
+  static std::string codec_label(const CodecSpec& c) {
+    if (c.family() == CodecFamily::kQuant) return std::to_string(c.quant_params().bits) + " bits";
+    if (c.family() == CodecFamily::kTopk) return "topk " + percent(c.topk_params().density_ppb);
+    return c.str();
+  }
+
+  void finish_epoch(const Totals& e) {
+    print(e);
+    const double ratio = e.compression[kUniformRun] > 0 ? e.compression[kAdaptiveRun] / e.compression[kUniformRun] : 0;
+    if (e.epoch > 1) {
+      worst_later_ = std::max(worst_later_, ratio);
+      // Predicted: the per-step error of each layer's codec in the statistics the epoch
+      // was solved from (controller layers are the adaptive ones, in registration order).
+      if (e.stats) {
+        size_t k = 0;
+        for (size_t l = 0; l < model_.layers.size(); ++l) {
+          if (!model_.layers[l].adaptive) continue;
+          const uint8_t choice = e.choice[l];
+          if (choice < candidates_.size() && e.stats->samples(k) > 0) {
+            CodecCheck& c = by_codec_[choice];
+            c.realized += e.layer_compression[l];
+            const double drift = e.assignment && k < e.assignment->drift.size() ? e.assignment->drift[k] : 1.0;
+            c.predicted += e.stats->mean(k, choice) * drift * static_cast<double>(e.steps);
+            ++c.layer_epochs;
+          }
+          ++k;
+        }
+      }
+    }
+  }
+
   void print(const Totals& e) {
     char steps[48];
     snprintf(steps, sizeof steps, "%llu-%llu", static_cast<unsigned long long>(e.first_step),
@@ -890,15 +1046,14 @@ class Report {
     printf(" %6.2f", all_bits / all_values);
     if (topk_) printf(" %4d", on_topk);
     printf(" %8.2f %6.3f", ratio(e.uncompressed, e.encoded), ratio(e.uniform, e.encoded));
-    if (e.epoch > 0 && e.solution.budget > 0)
-      printf(" %9.4f", e.solution.error / e.solution.budget);
+    const controller::Assignment* a = e.assignment.get();
+    if (e.epoch > 0 && a && a->solution.budget > 0)
+      printf(" %10.4f %9.4f", a->alpha_eff, a->solution.error / a->solution.budget);
     else
-      printf(" %9s", "-");
-    printf(" %9.3e", std::sqrt(e.error / e.norm));
-    if (e.uniform_known)
-      printf(" %9.3e %8.4f", std::sqrt(e.uniform_error / e.norm), e.error / e.uniform_error);
-    else
-      printf(" %9s %8s", "-", "-");
+      printf(" %10s %9s", "-", "-");
+    printf(" %7.4f %7.4f", e.compression[kAdaptiveRun] / e.compression[kUniformRun],
+           e.output[kAdaptiveRun] / e.output[kUniformRun]);
+    printf(" %9.3e", std::sqrt(e.output[kAdaptiveRun] / e.norm));
     if (e.epoch > 0)
       printf(" %9.2f\n", e.solve_ms);
     else
@@ -912,8 +1067,6 @@ class Report {
   const bool topk_;
   const uint64_t uniform_bytes_;
   std::vector<int> widths_;
-  // Uniform 4 bits, per layer: squared error and exact norm over the uniform steps used.
-  std::vector<double> uniform_error_, uniform_norm_;
   Totals current_, adaptive_;
   collective::EngineCounters last_;
   std::vector<std::vector<uint8_t>> choices_by_step_;
@@ -921,6 +1074,9 @@ class Report {
   uint64_t layer_epochs_ = 0, topk_layer_epochs_ = 0;
   std::map<size_t, uint64_t> topk_by_group_;
   std::map<uint32_t, uint64_t> topk_by_density_;
+  std::vector<CodecCheck> by_codec_;
+  double worst_later_ = 0;
+  uint64_t probe_sampled_ = 0;
   std::vector<uint64_t> switch_steps_;
   std::vector<collective::Algorithm> algorithms_;
 };
@@ -960,7 +1116,9 @@ int run(int argc, char** argv) {
   options.error_feedback = true;
   options.algorithm = o.algorithm;
   options.seed = mix(o.seed, 0x726f756e64);  // the rounding noise
-  options.controller.schedule = kSchedule;
+  options.controller.schedule = o.schedule;
+  options.controller.budget_loop = o.loop;
+
   options.parameters_text = "lgreco-demo";
   std::vector<BucketLayout> layouts;
   for (size_t b = 0; b < reg.buckets.size(); ++b) {
@@ -991,11 +1149,11 @@ int run(int argc, char** argv) {
       "candidates %s\n",
       o.ranks, collective::algorithm_name(o.algorithm), options.codec.str().c_str(), candidates_text(o.topk).c_str());
   printf(
-      "# controller: warmup %llu, period %llu, window %llu, switch lag %llu; alpha 1, squared error; switches at "
-      "steps %llu, %llu, ...\n",
-      static_cast<ull>(kSchedule.warmup), static_cast<ull>(kSchedule.period), static_cast<ull>(kSchedule.window),
-      static_cast<ull>(kSchedule.switch_lag), static_cast<ull>(kFirstSwitch),
-      static_cast<ull>(kFirstSwitch + kSchedule.period));
+      "# controller: warmup %llu, period %llu, window %llu, switch lag %llu; alpha 1, squared error, closed loop %s; "
+      "switches at steps %llu, %llu, ...; error probe from %llu steps before each window\n",
+      static_cast<ull>(o.schedule.warmup), static_cast<ull>(o.schedule.period), static_cast<ull>(o.schedule.window),
+      static_cast<ull>(o.schedule.switch_lag), o.loop ? "on" : "off", static_cast<ull>(o.first_switch()),
+      static_cast<ull>(o.first_switch() + o.schedule.period), static_cast<ull>(o.schedule.probe_lead));
   printf(
       "# gradients: synthetic, seed %llu: per-layer scales over 4 decades (falling with depth), normal or Student-t "
       "tails (nu 10..2.5), per-row scales, a mean shared by the ranks plus per-rank noise, scales drifting per "
@@ -1003,11 +1161,11 @@ int run(int argc, char** argv) {
       static_cast<ull>(o.seed));
   printf(
       "#\n# per epoch of the controller: mean bits per value chosen for each group's adaptive layers; bytes of\n"
-      "# float32 and of uniform 4 bits over lgreco's (one encoding per call); pred/bud: the controller's\n"
-      "# predicted error over its budget; rel_err: measured ||out - exact|| / ||exact|| of the allreduce\n"
-      "# against the float64 sum of the inputs; u4_err: uniform 4 bits' (each layer's relative error in the\n"
-      "# uniform steps %llu-%llu, at this epoch's norms); err/bud: measured squared error over uniform 4 bits'\n",
-      static_cast<ull>(kFirstUniformStep), static_cast<ull>(kFirstSwitch - 1));
+      "# float32 and of uniform 4 bits over lgreco's (one encoding per call); alpha_eff: the alpha the solve\n"
+      "# used (the closed loop's); pred/bud: the solve's predicted error over its budget; cmp/u4: the measured\n"
+      "# compression error (||out - exact sum of what was encoded||^2, residuals included) over the uniform\n"
+      "# run's on the same steps; out/u4: the same for the error against the exact sum of the gradients;\n"
+      "# rel_err: ||out - exact sum of the gradients|| / ||exact sum||\n");
   if (o.topk)
     printf(
         "# a layer on topk counts 64 k / n bits per value (u32 index, f32 value per kept element; quant: its\n"
@@ -1020,7 +1178,7 @@ int run(int argc, char** argv) {
   if (!failure.empty()) throw std::runtime_error(failure);
   report.finish();
   const Totals& adaptive = report.adaptive();
-  if (adaptive.steps == 0 || adaptive.encoded == 0 || !(adaptive.uniform_error > 0))
+  if (adaptive.steps == 0 || adaptive.encoded == 0 || !(adaptive.compression[kUniformRun] > 0))
     throw std::runtime_error("the controller never switched to an adaptive assignment in " + std::to_string(o.steps) +
                              " steps (a failed solve? LGRECO_DEBUG=INFO says more)");
 
@@ -1050,13 +1208,29 @@ int run(int argc, char** argv) {
       "relative error %.3e against uniform 4 bits' %.3e; engine: %s\n",
       static_cast<ull>(adaptive.steps), thousands(adaptive.encoded / adaptive.steps).c_str(),
       thousands(adaptive.uncompressed / adaptive.steps).c_str(), thousands(uniform_bytes).c_str(),
-      std::sqrt(adaptive.error / adaptive.norm), std::sqrt(adaptive.uniform_error / adaptive.norm), used.c_str());
+      std::sqrt(adaptive.output[kAdaptiveRun] / adaptive.norm), std::sqrt(adaptive.output[kUniformRun] / adaptive.norm),
+      used.c_str());
+  printf(
+      "# error probe: %s of the %s adaptive values sampled (%.2f%%); %s bytes per step of rank 0's %s on the wire "
+      "in the adaptive epochs (its exchanges run in the windows and the %llu steps before each)\n",
+      thousands(report.probe_sampled()).c_str(), thousands(model.adaptive_values).c_str(),
+      100.0 * static_cast<double>(report.probe_sampled()) / static_cast<double>(model.adaptive_values),
+      thousands(adaptive.probe / adaptive.steps).c_str(), thousands(adaptive.wire / adaptive.steps).c_str(),
+      static_cast<ull>(o.schedule.probe_lead));
+  printf("# realized over predicted compression error by codec, adaptive epochs after the first (layer-epochs): %s\n",
+         report.codec_check().c_str());
+  printf("# worst adaptive epoch after the first: compression error %.4f of the uniform run's\n",
+         report.worst_later_epoch());
   printf("# %.1f s; per rank: gradients %.1f s, allreduce %.1f s, error check %.1f s\n", seconds, mean.generate,
          mean.allreduce, mean.check);
-  printf("demo: ranks=%d steps=%llu bytes_vs_fp32=%.3f bytes_vs_uniform=%.3f error_vs_budget=%.4f%s\n", o.ranks,
-         static_cast<ull>(o.steps), static_cast<double>(adaptive.uncompressed) / static_cast<double>(adaptive.encoded),
-         static_cast<double>(adaptive.uniform) / static_cast<double>(adaptive.encoded),
-         adaptive.error / adaptive.uniform_error, o.topk ? " families=quant,topk" : "");
+  printf(
+      "demo: ranks=%d steps=%llu bytes_vs_fp32=%.3f bytes_vs_uniform=%.3f error_vs_budget=%.4f "
+      "output_error_vs_uniform=%.4f alpha_eff=%.4f%s\n",
+      o.ranks, static_cast<ull>(o.steps), static_cast<double>(adaptive.uncompressed) / static_cast<double>(adaptive.encoded),
+      static_cast<double>(adaptive.uniform) / static_cast<double>(adaptive.encoded),
+      adaptive.compression[kAdaptiveRun] / adaptive.compression[kUniformRun],
+      adaptive.output[kAdaptiveRun] / adaptive.output[kUniformRun], adaptive.alpha_eff / static_cast<double>(adaptive.steps),
+      o.topk ? " families=quant,topk" : "");
   return 0;
 }
 

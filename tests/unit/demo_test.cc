@@ -26,7 +26,7 @@ std::string last_line(const std::string& output) {
 struct Summary {
   int ranks = 0;
   int steps = 0;
-  double vs_fp32 = 0, vs_uniform = 0, error_vs_budget = 0;
+  double vs_fp32 = 0, vs_uniform = 0, error_vs_budget = 0, output_error_vs_uniform = 0, alpha_eff = 0;
   std::string families = "quant";  // " families=..." at the end of the line, when not quant alone
 };
 
@@ -34,16 +34,25 @@ Summary check_last_line(const std::string& output) {
   const std::string line = last_line(output);
   static const std::regex format(
       R"(demo: ranks=(\d+) steps=(\d+) bytes_vs_fp32=(\d+\.\d+) bytes_vs_uniform=(\d+\.\d+) )"
-      R"(error_vs_budget=(\d+\.\d+)(?: families=(quant,topk))?)");
+      R"(error_vs_budget=(\d+\.\d+) output_error_vs_uniform=(\d+\.\d+) alpha_eff=(\d+\.\d+))"
+      R"((?: families=(quant,topk))?)");
   std::smatch m;
   BOOST_TEST_REQUIRE(std::regex_match(line, m, format), "last line: " << line);
-  Summary s{std::stoi(m[1]), std::stoi(m[2]), std::stod(m[3]), std::stod(m[4]), std::stod(m[5])};
-  if (m[6].matched) s.families = m[6];
+  Summary s{std::stoi(m[1]), std::stoi(m[2]), std::stod(m[3]), std::stod(m[4]), std::stod(m[5]), std::stod(m[6]),
+            std::stod(m[7])};
+  if (m[8].matched) s.families = m[8];
   BOOST_TEST(s.vs_fp32 > 1.0, line);
   BOOST_TEST(s.vs_uniform > 1.0, line);  // adaptive choices send fewer bytes than uniform 4 bits
   BOOST_TEST(s.vs_fp32 > s.vs_uniform, line);
-  BOOST_TEST(std::isfinite(s.error_vs_budget), line);
-  BOOST_TEST(s.error_vs_budget > 0.0, line);
+  for (double e : {s.error_vs_budget, s.output_error_vs_uniform}) {
+    BOOST_TEST(std::isfinite(e), line);
+    BOOST_TEST(e > 0.0, line);
+  }
+  BOOST_TEST((s.alpha_eff >= 0.25 && s.alpha_eff <= 1.0), line);  // the closed loop's range
+  // Epoch 0 runs the default on both engines, with the same noise: the same outputs, so
+  // its errors are the uniform run's exactly.
+  static const std::regex epoch0(R"(\n    0 +0-\d+ [^\n]* - +- +1\.0000 +1\.0000 )");
+  BOOST_TEST(std::regex_search(output, epoch0), output);
   return s;
 }
 
