@@ -13,7 +13,9 @@
 //                      prepare_encode; a random subset of the candidates measured, the
 //                      other columns untouched); PowerSGD's operations through the backend
 //                      on random matrix layers (docs/KERNELS.md's cuBLAS tolerances, the
-//                      rest bit for bit, nothing allocated after prepare_lowrank). Then set_stream's
+//                      rest bit for bit, nothing allocated after prepare_lowrank); the error
+//                      probe's gather and distance, and a probe step on random layers and
+//                      candidates (simulated, reference and realized errors). Then set_stream's
 //                      ordering across two streams, stream-ordered frees (a buffer freed
 //                      while work on it is queued, its memory reused at once), set_stream
 //                      away from a destroyed and from a capturing stream, the memory cap
@@ -55,7 +57,9 @@
 #include "kernels/quant_cuda.h"
 #include "kernels/quant_math.h"
 #include "plugin/collective/cpu_backend.h"
+#include "plugin/collective/inproc_fabric.h"
 #include "plugin/collective/layout.h"
+#include "plugin/collective/probe.h"
 #include "plugin/collective/plan.h"
 #include "plugin/shim/cuda_backend.h"
 #include "tools/cli.h"
@@ -904,6 +908,232 @@ void check_narrow(Ctx& c) {
               dtype_size(dtype));
 }
 
+// gather: runs (some reaching outside the source's clip range) of any element type into
+// float32, scaled, copied or accumulated: the same bits as the CPU's.
+void check_gather(Ctx& c) {
+  const DType dtype = kDTypes[below(c.rng, 3)];
+  const uint64_t n = 1 + below(c.rng, 200000), first = below(c.rng, 5000);
+  std::vector<uint8_t> src(n * dtype_size(dtype));
+  const std::vector<uint8_t> values = flat_values(c.rng, n);
+  for (uint64_t i = 0; i < n; ++i) store_from_float(src.data(), dtype, i, f32_at(values, i));
+  std::vector<collective::Backend::Run> runs;
+  uint64_t to = 0;
+  const size_t count = 1 + below(c.rng, 150);  // more than one launch's table
+  for (size_t k = 0; k < count; ++k) {
+    const uint64_t len = 1 + below(c.rng, 3000);
+    runs.push_back({first + below(c.rng, n + 100) - (chance(c.rng, 0.1) ? std::min<uint64_t>(first, 50) : 0), to, len});
+    to += len + below(c.rng, 3);
+  }
+  const uint64_t end = first + n - below(c.rng, std::min<uint64_t>(n, 200));
+  const float scale = pick<float>(c.rng, {1.0f, 0.25f, -1.0f, 1e-30f, 3.0f});
+  const bool accumulate = chance(c.rng, 0.5);
+  std::vector<uint8_t> dst = flat_values(c.rng, to + 7);
+  DeviceBuffer d_src = to_device(src), d_dst = to_device(dst);
+  c.cpu.gather(runs, ElementSpan{src.data(), dtype, first}, end, scale, accumulate, reinterpret_cast<float*>(dst.data()));
+  c.gpu.gather(runs, ElementSpan{d_src.get(), dtype, first}, end, scale, accumulate, f32(d_dst));
+  expect_same(c, "gather",
+              strf("%zu runs of %s x %g%s", runs.size(), dtype_name(dtype), scale, accumulate ? ", accumulated" : ""),
+              dst, from_device(d_dst), 4);
+}
+
+// distance: per layer the sum of |a - b|^power in double, of segments that share layers
+// (more than one launch's table), a of any element type, b null or not; within 1e-12 of
+// the sum of the terms' magnitudes (the GPU adds in a tree, the CPU in order), and the
+// same non-finite flags.
+void check_distance(Ctx& c) {
+  const DType dtype = kDTypes[below(c.rng, 3)];
+  const uint64_t n = 1 + below(c.rng, 300000), first = below(c.rng, 1000);
+  const uint32_t layers = static_cast<uint32_t>(1 + below(c.rng, 40));
+  const std::vector<uint8_t> av = flat_values(c.rng, n), bv = flat_values(c.rng, n);
+  std::vector<uint8_t> a(n * dtype_size(dtype));
+  for (uint64_t i = 0; i < n; ++i) store_from_float(a.data(), dtype, i, f32_at(av, i));
+  const bool with_b = chance(c.rng, 0.6);
+  const int power = chance(c.rng, 0.5) ? 1 : 2;
+  std::vector<Segment> segments;
+  for (uint64_t at = 0; at < n;) {
+    Segment s;
+    s.layer = static_cast<uint32_t>(below(c.rng, layers));
+    s.offset = first + at;
+    s.count = std::min<uint64_t>(n - at, 1 + below(c.rng, 20000));
+    at += s.count;
+    segments.push_back(s);
+  }
+  std::vector<double> out(layers, 0.25);
+  std::vector<uint8_t> flags(layers, 0);
+  DeviceBuffer d_a = to_device(a), d_b = to_device(bv), d_out(layers * sizeof(double)), d_flags = to_device(flags);
+  LGRECO_CUDA_CHECK(cudaMemcpy(d_out.get(), out.data(), layers * sizeof(double), cudaMemcpyHostToDevice));
+  const double weight = pick<double>(c.rng, {1.0, 0.0625, 16.0});
+  const float* b_cpu = with_b ? reinterpret_cast<const float*>(bv.data()) : nullptr;
+  c.cpu.distance(segments, ElementSpan{a.data(), dtype, first}, b_cpu, power, weight, out.data(), flags.data());
+  c.gpu.distance(segments, ElementSpan{d_a.get(), dtype, first}, with_b ? f32(d_b) : nullptr, power, weight,
+                 reinterpret_cast<double*>(d_out.get()), d_flags.get());
+  const std::vector<uint8_t> got = from_device(d_out), got_flags = from_device(d_flags);
+  // The terms' magnitudes per layer, for the tolerance.
+  std::vector<double> scale(layers, 0.0);
+  for (const Segment& s : segments)
+    for (uint64_t i = 0; i < s.count; ++i) {
+      const double x = load_as_float(a.data(), dtype, s.offset - first + i);
+      const double d = std::fabs(with_b ? x - static_cast<double>(f32_at(bv, s.offset - first + i)) : x);
+      if (std::isfinite(d)) scale[s.layer] += weight * (power == 2 ? d * d : d);
+    }
+  std::string bad;
+  for (uint32_t l = 0; l < layers && bad.empty(); ++l) {
+    double g;
+    memcpy(&g, got.data() + l * 8, 8);
+    if (got_flags[l] != flags[l]) bad = strf("layer %u: nonfinite %d on the cpu, %d on the gpu", l, flags[l], got_flags[l]);
+    else if (!flags[l] && !(std::fabs(g - out[l]) <= 1e-12 * scale[l] + 1e-300))
+      bad = strf("layer %u: cpu %.17g, gpu %.17g", l, out[l], g);
+  }
+  const std::string what = strf("%zu segments of %s over %u layers, power %d%s", segments.size(), dtype_name(dtype),
+                                layers, power, with_b ? ", a - b" : "");
+  if (bad.empty()) c.r.pass("distance", n);
+  else c.r.fail("distance", what + ": " + bad);
+}
+
+// One rank's fabric over device memory: the probe's exchange is a copy on the stream.
+class DeviceLoopback final : public collective::Fabric {
+ public:
+  explicit DeviceLoopback(cudaStream_t stream) : stream_(stream) {}
+  int rank() const override { return 0; }
+  int size() const override { return 1; }
+  std::string name() const override { return "device loopback"; }
+  void all_to_all_v(const uint8_t* send, std::span<const uint64_t> send_bytes, uint8_t* recv,
+                    std::span<const uint64_t>) override {
+    if (send_bytes[0]) LGRECO_CUDA_CHECK(cudaMemcpyAsync(recv, send, send_bytes[0], cudaMemcpyDeviceToDevice, stream_));
+  }
+  void all_gather_v(const uint8_t* send, std::span<const uint64_t> bytes, uint8_t* recv) override {
+    if (bytes[0]) LGRECO_CUDA_CHECK(cudaMemcpyAsync(recv, send, bytes[0], cudaMemcpyDeviceToDevice, stream_));
+  }
+  void all_reduce_sum(std::span<float>) override {}
+  void all_reduce_sum(std::span<double>) override {}
+  collective::FabricCounters counters() const override { return {}; }
+  void abort(const std::string&) override {}
+
+ private:
+  cudaStream_t stream_;
+};
+
+// The error probe (plugin/collective/probe.h) through the backend: one rank (every layer
+// simulated here), random quant and TopK candidates, both algorithms; a probe step and the
+// realized error on the GPU against the same on the CPU. Simulated and realized errors
+// come from bit-identical encodes, so they agree within distance's tolerance; reference
+// (Backend::measure) within the statistics' tolerance.
+void check_probe(Ctx& c, int index) {
+  std::vector<CodecSpec> candidates = {CodecSpec::parse("quant:bits=4")};
+  for (size_t k = 0; k < 1 + below(c.rng, 4); ++k) {
+    const CodecSpec q = chance(c.rng, 0.7) ? random_quant(c.rng) : random_topk(c.rng);
+    if (std::find(candidates.begin(), candidates.end(), q) == candidates.end()) candidates.push_back(q);
+  }
+  collective::BucketLayout layout;
+  const uint32_t layers = static_cast<uint32_t>(1 + below(c.rng, 6));
+  std::vector<uint8_t> measured;
+  std::vector<std::vector<uint32_t>> columns;
+  for (uint32_t l = 0; l < layers; ++l) {
+    collective::LayerLayout layer;
+    layer.name = "layer" + std::to_string(l);
+    layer.offset = layout.count;
+    layer.numel = 4096 + below(c.rng, 200000);
+    layer.candidates = candidates;
+    layout.count += layer.numel;
+    layout.layers.push_back(layer);
+    measured.push_back(1);
+    columns.emplace_back();
+    for (uint32_t k = 0; k < candidates.size(); ++k) columns.back().push_back(k);
+  }
+  const bool sra = chance(c.rng, 0.5), average = chance(c.rng, 0.5);
+  collective::ProbeSettings settings;
+  settings.seed = c.rng();
+  settings.fraction = pick<double>(c.rng, {1.0 / 16, 0.25, 1.0});
+  std::vector<CodecSpec> current;
+  for (uint32_t l = 0; l < layers; ++l) current.push_back(candidates[below(c.rng, candidates.size())]);
+  collective::BucketProbe cpu_probe(layout, 0, measured, columns, candidates, 1, 0, settings);
+  collective::BucketProbe gpu_probe(layout, 0, measured, columns, candidates, 1, 0, settings);
+  cpu_probe.set_assignment(current, sra);
+  gpu_probe.set_assignment(current, sra);
+  cpu_probe.prepare(c.cpu, candidates);
+  gpu_probe.prepare(c.gpu, candidates);
+  const collective::BucketProbe::Scratch need = cpu_probe.scratch_bytes();
+  struct Side {
+    std::vector<std::unique_ptr<collective::Backend::Buffer>> held;
+    collective::BucketProbe::Buffers buf;
+    collective::ProbeOutput out;
+    uint8_t* tables = nullptr;
+  };
+  const uint64_t cells = layers * candidates.size();
+  const uint64_t table_bytes = cells * 8 * 2 + layers * 8 + cells + 2 * layers;
+  const auto make = [&](collective::Backend& b) {
+    Side s;
+    const auto get = [&](uint64_t bytes) {
+      s.held.push_back(b.allocate(std::max<uint64_t>(bytes, 64)));
+      return static_cast<uint8_t*>(s.held.back()->data());
+    };
+    s.buf = {reinterpret_cast<float*>(get(need.send)),   reinterpret_cast<float*>(get(need.recv)),
+             reinterpret_cast<float*>(get(need.inputs)), reinterpret_cast<float*>(get(need.sum)),
+             reinterpret_cast<float*>(get(need.error)),  get(need.payload),
+             get(need.flags),                            reinterpret_cast<float*>(get(need.sample)),
+             reinterpret_cast<float*>(get(need.sample)), reinterpret_cast<float*>(get(need.sample)),
+             reinterpret_cast<float*>(get(need.sample)), reinterpret_cast<float*>(get(need.sample))};
+    s.tables = get(table_bytes);
+    s.out.simulated = reinterpret_cast<double*>(s.tables);
+    s.out.reference = reinterpret_cast<double*>(s.tables + cells * 8);
+    s.out.realized = reinterpret_cast<double*>(s.tables + cells * 16);
+    s.out.simulated_nonfinite = s.tables + cells * 16 + layers * 8;
+    s.out.reference_nonfinite = s.out.simulated_nonfinite + cells;
+    s.out.realized_nonfinite = s.out.reference_nonfinite + layers;
+    return s;
+  };
+  Side on_cpu = make(c.cpu), on_gpu = make(c.gpu);
+  auto hub_cpu = std::make_shared<collective::InProcHub>(1, std::chrono::seconds(10));
+  collective::InProcFabric fabric_cpu(hub_cpu, 0);
+  DeviceLoopback fabric_gpu(c.stream);
+  std::vector<uint8_t> residual = flat_values(c.rng, layout.count), input = flat_values(c.rng, layout.count);
+  // Finite, gradient-like values: the probe's statistics of NaNs are flags only.
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (uint64_t i = 0; i < layout.count; ++i) {
+    const float g = normal(c.rng), r = 0.05f * normal(c.rng);
+    memcpy(input.data() + i * 4, &g, 4);
+    memcpy(residual.data() + i * 4, &r, 4);
+  }
+  DeviceBuffer d_input = to_device(input), d_residual = to_device(residual), d_output = to_device(input);
+  for (uint64_t step = 0; step < 3; ++step) {
+    for (Side* s : {&on_cpu, &on_gpu}) {
+      collective::Backend& b = s == &on_cpu ? static_cast<collective::Backend&>(c.cpu) : c.gpu;
+      b.fill_zero(s->tables, table_bytes);
+      collective::BucketProbe::Call call;
+      call.input = ElementSpan{s == &on_cpu ? input.data() : d_input.get(), DType::kFloat32, 0};
+      call.count = layout.count;
+      call.residual = reinterpret_cast<const float*>(s == &on_cpu ? residual.data() : d_residual.get());
+      call.average = average;
+      call.step = step;
+      call.candidates = candidates;
+      collective::BucketProbe& probe = s == &on_cpu ? cpu_probe : gpu_probe;
+      probe.step(b, s == &on_cpu ? static_cast<collective::Fabric&>(fabric_cpu) : fabric_gpu, call, s->buf, &s->out);
+      probe.realized(b, ElementSpan{s == &on_cpu ? input.data() : d_output.get(), DType::kFloat32, 0}, layout.count,
+                     s->buf, s->out);
+    }
+    const std::vector<uint8_t> got = from_device(on_gpu.tables, table_bytes);
+    const std::vector<uint8_t> want(on_cpu.tables, on_cpu.tables + table_bytes);
+    std::string bad;
+    for (uint64_t k = 0; k < 2 * cells + layers && bad.empty(); ++k) {
+      double x, y;
+      memcpy(&x, want.data() + k * 8, 8);
+      memcpy(&y, got.data() + k * 8, 8);
+      const double tolerance = k < cells || k >= 2 * cells ? 1e-9 : kStatsRelTolerance;  // reference: measure's
+      if (!(std::fabs(x - y) <= tolerance * std::fabs(x) + 1e-30))
+        bad = strf("%s %llu: cpu %.17g, gpu %.17g", k < cells ? "simulated" : k < 2 * cells ? "reference" : "realized",
+                   static_cast<ull>(k < cells ? k : k < 2 * cells ? k - cells : k - 2 * cells), x, y);
+    }
+    if (bad.empty() && memcmp(want.data() + cells * 16 + layers * 8, got.data() + cells * 16 + layers * 8,
+                              cells + 2 * layers) != 0)
+      bad = "non-finite flags differ";
+    const std::string what = strf("probe %d: %u layers, %zu candidates, %s%s, fraction %g, step %llu", index, layers,
+                                  candidates.size(), sra ? "sra" : "allgather", average ? " avg" : "",
+                                  settings.fraction, static_cast<ull>(step));
+    if (bad.empty()) c.r.pass("probe", cpu_probe.sampled_total());
+    else c.r.fail("probe", what + ": " + bad);
+  }
+}
+
 // allocate (zero-filled), fill_zero, copy, upload and read_back (pinned and pageable).
 void check_memory_ops(Ctx& c) {
   const uint64_t bytes = 64 + below(c.rng, 1 << 20);
@@ -1328,9 +1558,22 @@ int run_check(const Options& o) {
         r.fail("lowrank", strf("low rank %d threw: %s", i, e.what()));
         if (cudaGetLastError() != cudaSuccess) throw;
       }
-      stage = "divide, narrow, memory operations";
+      stage = "divide, narrow, gather, distance, memory operations";
       check_divide(c);
       check_narrow(c);
+      check_gather(c);
+      check_distance(c);
+      if (i % 3 == 0) {
+        stage = strf("probe %d", i);
+        try {
+          check_probe(c, i);
+        } catch (const CudaFailure&) {
+          throw;
+        } catch (const std::exception& e) {
+          r.fail("probe", strf("probe %d threw: %s", i, e.what()));
+          if (cudaGetLastError() != cudaSuccess) throw;
+        }
+      }
       if (i % 4 == 0) check_memory_ops(c);
     }
     stage = "streams, events and marks";
