@@ -49,6 +49,7 @@ Controller::Controller(ControllerSettings settings, std::vector<Layer> layers, S
   for (const Layer& layer : layers_) defaults->choices.push_back(layer.default_index);
   in_effect_ = defaults->choices;
   last_magnitude_.assign(layers_.size(), 0.0);
+  predicted_.assign(layers_.size(), -1.0);
   current_ = std::move(defaults);
   if (!settings_.decision_log_path.empty()) {
     decision_log_ = fopen(settings_.decision_log_path.c_str(), "a");
@@ -166,7 +167,9 @@ WindowReading Controller::read_window(const ErrorStats& stats) const {
   for (size_t l = 0; l < layers_.size(); ++l) {
     if (stats.samples(l) == 0) continue;
     r.realized += stats.realized_mean(l, in_effect_[l]);
-    r.predicted += stats.mean(l, in_effect_[l]);
+    // What the solve that chose the assignment in effect predicted for it (the defaults'
+    // estimate in this window before the first solve).
+    r.predicted += predicted_[l] >= 0 ? predicted_[l] : stats.mean(l, in_effect_[l]);
     defaults += stats.mean(l, layers_[l].default_index);
   }
   r.budget = settings_.alpha * defaults;
@@ -219,22 +222,27 @@ std::vector<double> Controller::drift_of(const ErrorStats& stats, uint64_t windo
 }
 
 // A candidate's mean error over an epoch of T steps after a switch to it. Its error
-// starts at what it makes on the state the previous codec left, `now` (measured on the
-// real state of the whole layer), and relaxes to its own steady state (`steady`, the
-// probe's estimate) geometrically, at a rate r per step: the mean is
-// steady + (now - steady) x (1 - r^T) / (T (1 - r)). The rate follows from how far the two
-// states are apart: a max-min quantizer's residual widens the next range, and the range
-// widened by a residual of a units relaxes like a fixed-point iteration whose step is the
-// share of the range the residual adds, 1 - sqrt(min/max) of the two errors (errors grow
-// with the square of the unit); capped at 0.8. (Measured on the demo: layers moved from 4
-// to 2 bits, steady / now about 2.8, relaxed at about 0.4 per step; the formula says
-// 0.40.) For TopK, whose residual builds up over as many steps as it takes to send it,
-// the cap keeps the estimate high on short runs. When the candidate is the codec in effect
-// now and settled, now = steady and nothing changes.
-double Controller::epoch_error(double steady, double now, uint64_t period) {
+// starts at what it makes on the state the previous codec left, `now` (the probe's
+// measurement of the real state, scaled to the layer), and goes to its own steady state
+// (`steady`, its estimate); how depends on how its error feedback remembers:
+//  - max-min quantization relaxes geometrically at a rate r per step: the mean is
+//    steady + (now - steady) (1 - r^T) / (T (1 - r)). A residual that widens the range
+//    relaxes like the fixed-point iteration it is, by the share of the range it adds:
+//    r = 1 - sqrt(min/max) of the two errors (errors grow with the square of the unit),
+//    capped at 0.8. (Measured on the demo: layers moved from 4 to 2 bits, steady / now
+//    about 2.8, relaxed at about 0.4 per step; the formula says 0.40.)
+//  - TopK accumulates: what it does not send stays in the residual, whose energy grows by
+//    about one step's unsent gradient per step (`fresh`, its error on the gradient alone)
+//    until, hundreds of steps later at small densities, it settles. Its shadow is younger
+//    than that in any short run, so its estimate is a lower bound, and so is the growth
+//    from the state now: the epoch's mean is taken as max(steady, now + fresh (T - 1) / 2).
+//    (Capped at the shadow instead, the demo's first TopK epoch realized 1.5x its budget.)
+// For the codec in effect, settled, now = steady and nothing changes.
+double Controller::epoch_error(std::string_view codec, double steady, double now, double fresh, uint64_t period) {
+  const double t = static_cast<double>(period);
+  if (codec_family(codec) == "topk" && now > 0) return std::max(steady, now + std::max(fresh, 0.0) * (t - 1) / 2);
   if (!(steady > 0) || !(now > 0) || steady == now) return steady;
   const double rate = std::min(0.8, 1 - std::sqrt(std::min(steady, now) / std::max(steady, now)));
-  const double t = static_cast<double>(period);
   return steady + (now - steady) * (1 - std::pow(rate, t)) / (t * (1 - rate));
 }
 
@@ -258,8 +266,9 @@ Problem Controller::problem_from(const Job& job, std::span<const double> drift) 
       continue;
     }
     for (uint32_t c = 0; c < layer.candidates.size(); ++c) {
-      const double steady = stats.mean(l, c), now = stats.measured_mean(l, c);
-      layer.candidates[c].error = epoch_error(steady, now, settings_.schedule.period) * drift[l];
+      const double steady = stats.mean(l, c), now = stats.current_mean(l, c), fresh = stats.measured_mean(l, c);
+      layer.candidates[c].error =
+          epoch_error(layer.candidates[c].codec, steady, now, fresh, settings_.schedule.period) * drift[l];
       if (c == layer.default_index) steady_defaults += steady * drift[l], epoch_defaults += layer.candidates[c].error;
     }
   }
@@ -353,6 +362,10 @@ std::shared_ptr<const Assignment> Controller::solve_and_log(const Job& job, cons
               solution.feasible ? "" : " (infeasible: least-error assignment)", problem.alpha,
               reading.budget > 0 ? reading.realized / reading.budget : 0.0, solve_ms);
   in_effect_ = assignment->choices;
+  for (size_t l = 0; l < layers_.size(); ++l)
+    predicted_[l] = problem.layers[l].candidates.size() == layers_[l].candidates.size()
+                        ? problem.layers[l].candidates[solution.choices[l]].error
+                        : -1.0;
   assignment->solution = std::move(solution);
   std::lock_guard<std::mutex> lock(mutex_);
   ++counters_.solves;

@@ -11,8 +11,8 @@
 //
 // The closed loop (docs/CONTROLLER.md, "The closed loop"): each window also carries the
 // realized error of the assignment in effect during it. Before each solve the thread
-// compares it with what the statistics predict for that assignment in the same window:
-// their ratio b is the model's bias, as measured. It keeps an estimate B of it, in [1, 4],
+// compares it with what the solve that chose that assignment predicted for it: their
+// ratio b is the model's bias, as measured. It keeps an estimate B of it, in [1, 4],
 // and aims at alpha_eff = alpha / B, so that the realized error (B x the prediction) fits
 // alpha x the default's:
 //   b > 1.02 B:    B = b                 (under-predicted: corrected at once; and if the
@@ -168,7 +168,7 @@ class Controller {
   void run();
   Problem problem_from(const Job& job, std::span<const double> drift) const;
   std::vector<double> drift_of(const ErrorStats& stats, uint64_t window_last) const;
-  static double epoch_error(double steady, double now, uint64_t period);
+  static double epoch_error(std::string_view codec, double steady, double now, double fresh, uint64_t period);
   double window_middle(uint64_t last) const;
   std::shared_ptr<const Assignment> solve_job(const Job& job);  // never throws
   std::shared_ptr<const Assignment> solve_and_log(const Job& job, const WindowReading& reading,
@@ -190,6 +190,8 @@ class Controller {
   double alpha_eff_, bias_ = 1;
   std::vector<uint32_t> in_effect_;
   std::vector<double> last_magnitude_;
+  // Per layer: the error the last successful solve predicted for its choice (-1: none).
+  std::vector<double> predicted_;
   double last_middle_ = 0;  // of the window before (0: none yet)
 
   // Training-path state (one thread).

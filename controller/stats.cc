@@ -32,7 +32,8 @@ ErrorStats::ErrorStats(std::vector<uint32_t> candidates_per_layer, ErrorMetric m
   for (uint32_t n : candidates_per_layer) first_.push_back(first_.back() + n);
   simulated_ = first_.back();
   reference_ = 2 * first_.back();
-  realized_ = 3 * first_.back();
+  current_ = 3 * first_.back();
+  realized_ = 4 * first_.back();
   magnitude_ = realized_ + layers();
   samples_offset_ = magnitude_ + layers();
   data_.assign(samples_offset_ + 2 * layers(), 0.0);
@@ -50,15 +51,16 @@ bool ErrorStats::add(size_t layer, const Sample& s) {
   if (layer >= layers())
     throw std::invalid_argument("ErrorStats::add: layer " + std::to_string(layer) + " of " + std::to_string(layers()));
   const uint32_t n = candidates(layer);
-  if (s.measured.size() != n || (!s.simulated.empty() && s.simulated.size() != n) ||
-      (!s.reference.empty() && s.reference.size() != n))
+  const auto fits = [n](std::span<const double> v) { return v.empty() || v.size() == n; };
+  if (s.measured.size() != n || !fits(s.simulated) || !fits(s.reference) || !fits(s.current))
     throw std::invalid_argument("ErrorStats::add: layer " + std::to_string(layer) + " measures " + std::to_string(n) +
                                 " candidates, got " + std::to_string(s.measured.size()) + ", " +
-                                std::to_string(s.simulated.size()) + ", " + std::to_string(s.reference.size()));
+                                std::to_string(s.simulated.size()) + ", " + std::to_string(s.reference.size()) +
+                                ", " + std::to_string(s.current.size()));
   const auto finite = [](double e) { return std::isfinite(e) && e >= 0; };
   const auto all_finite = [&](std::span<const double> v) { return std::all_of(v.begin(), v.end(), finite); };
-  if (!all_finite(s.measured) || !all_finite(s.simulated) || !all_finite(s.reference) || !finite(s.realized) ||
-      !finite(s.magnitude)) {
+  if (!all_finite(s.measured) || !all_finite(s.simulated) || !all_finite(s.reference) || !all_finite(s.current) ||
+      !finite(s.realized) || !finite(s.magnitude)) {
     data_[samples_offset_ + layers() + layer] += 1;
     return false;
   }
@@ -67,6 +69,7 @@ bool ErrorStats::add(size_t layer, const Sample& s) {
     data_[first_[layer] + c] += metric(s.measured[c]);
     if (!s.simulated.empty()) data_[simulated_ + first_[layer] + c] += metric(s.simulated[c]);
     if (!s.reference.empty()) data_[reference_ + first_[layer] + c] += metric(s.reference[c]);
+    if (!s.current.empty()) data_[current_ + first_[layer] + c] += metric(s.current[c]);
   }
   data_[realized_ + layer] += metric(s.realized);
   data_[magnitude_ + layer] += s.magnitude;
@@ -88,19 +91,25 @@ uint64_t ErrorStats::skipped(size_t layer) const {
   return static_cast<uint64_t>(data_[samples_offset_ + layers() + layer]);
 }
 
+double ErrorStats::content_ratio(size_t layer, uint32_t candidate) const {
+  const double measured = measured_sum(layer, candidate), reference = reference_sum(layer, candidate);
+  return measured > 0 && reference > 0 ? measured / reference : scale_[layer];
+}
+
 double ErrorStats::mean(size_t layer, uint32_t candidate) const {
   const double n = data_[samples_offset_ + layer];
   if (!(n > 0)) return 0.0;
-  const double measured = measured_sum(layer, candidate), simulated = simulated_sum(layer, candidate),
-               reference = reference_sum(layer, candidate);
-  if (simulated > 0 && reference > 0 && measured > 0) return measured / n * (simulated / reference);
-  if (simulated > 0 && !(measured > 0)) return simulated * scale_[layer] / n;
-  return measured / n;
+  const double simulated = simulated_sum(layer, candidate);
+  if (simulated > 0) return simulated / n * content_ratio(layer, candidate);
+  return measured_sum(layer, candidate) / n;
 }
 
-double ErrorStats::magnitude_mean(size_t layer) const {
+double ErrorStats::current_mean(size_t layer, uint32_t candidate) const {
   const double n = data_[samples_offset_ + layer];
-  return n > 0 ? data_[magnitude_ + layer] / n : 0.0;
+  if (!(n > 0)) return 0.0;
+  const double current = current_sum(layer, candidate);
+  if (current > 0 && simulated_sum(layer, candidate) > 0) return current / n * content_ratio(layer, candidate);
+  return mean(layer, candidate);
 }
 
 double ErrorStats::measured_mean(size_t layer, uint32_t candidate) const {
@@ -108,13 +117,15 @@ double ErrorStats::measured_mean(size_t layer, uint32_t candidate) const {
   return n > 0 ? measured_sum(layer, candidate) / n : 0.0;
 }
 
-double ErrorStats::realized_mean(size_t layer, uint32_t current) const {
+double ErrorStats::magnitude_mean(size_t layer) const {
+  const double n = data_[samples_offset_ + layer];
+  return n > 0 ? data_[magnitude_ + layer] / n : 0.0;
+}
+
+double ErrorStats::realized_mean(size_t layer, uint32_t in_effect) const {
   const double n = data_[samples_offset_ + layer];
   if (!(n > 0)) return 0.0;
-  const double realized = realized_sum(layer), measured = measured_sum(layer, current),
-               reference = reference_sum(layer, current);
-  if (reference > 0 && measured > 0) return measured / n * (realized / reference);
-  return realized * scale_[layer] / n;
+  return realized_sum(layer) / n * content_ratio(layer, in_effect);
 }
 
 }  // namespace lgreco::controller

@@ -1,19 +1,22 @@
 // Error statistics of the candidates over a measurement window.
 //
 // Each sample is one layer at one step. It holds, per candidate, the squared L2 error
-// that the candidate makes on x = g + residual, in up to three measurements (the engine's:
-// docs/ENGINE.md, "Statistics and the controller"):
-//   measured   on the whole layer, in the real state of the run (the residual the
-//              current codecs left), as measure_candidates() in kernels/codec.h measures;
+// that the candidate makes, in up to four measurements (the engine's: docs/ENGINE.md,
+// "Statistics and the controller"):
+//   measured   on the whole layer's gradient alone, as measure_candidates() in
+//              kernels/codec.h measures (low-rank candidates: on the real state);
 //   simulated  on the error probe's sample of the layer, the candidate under its OWN
 //              error feedback (plugin/collective/probe.h);
-//   reference  on the same sample, measured as `measured` is (the real state);
+//   reference  on the same sample, measured as `measured` is;
+//   current    on the same sample, on its real state (the residuals the codecs in effect
+//              left), as measure_candidates() measures: where a switch would start;
 // and the realized error of the step on the sample. A candidate's estimate is
-// measured x simulated / reference (window sums): the whole layer in the candidate's own
-// state. Without a simulation (low-rank candidates; callers that only measure) it is
-// `measured`; without a measurement on the whole layer, simulated x the layer's
-// sample_scale (numel / sampled values). A sample holding a non-finite value (an AMP
-// overflow step) is skipped and counted, never summed.
+// simulated x measured / reference (window sums): its own-state error on the sample,
+// scaled by the ratio of the whole layer's content to the sample's. Without a simulation
+// (low-rank candidates; callers that only measure) it is `measured`; without a
+// measurement of the whole layer, simulated x the layer's sample_scale (numel / sampled
+// values). A sample holding a non-finite value (an AMP overflow step) is skipped and
+// counted, never summed.
 //
 // Several ranks: each rank accumulates its own samples, or shares of a sample that
 // another rank counts (the engine's ranks each measure their part of a layer; the probe
@@ -56,7 +59,7 @@ class ErrorStats {
   // counts it as skipped) when a value is negative, NaN or infinite. Throws
   // std::invalid_argument on a wrong layer index or candidate count.
   struct Sample {
-    std::span<const double> measured, simulated, reference;
+    std::span<const double> measured, simulated, reference, current;
     double realized = 0;
     double magnitude = 0;  // the gradient's sum of |g| (a share: this rank's), for drift
     bool counted = true;
@@ -85,22 +88,28 @@ class ErrorStats {
   // The estimate of a candidate's metric per step (above); 0 without samples.
   double mean(size_t layer, uint32_t candidate) const;
   // The realized error per step of the layer, scaled to the whole layer as the estimate of
-  // `current`, the candidate in effect, is: measured x realized / reference; 0 without
+  // `in_effect`, the candidate in effect, is: realized x measured / reference; 0 without
   // samples.
-  double realized_mean(size_t layer, uint32_t current) const;
+  double realized_mean(size_t layer, uint32_t in_effect) const;
+  // The candidate's error on the real state now, per step, scaled alike: `current` x
+  // measured / reference (its estimate when not simulated).
+  double current_mean(size_t layer, uint32_t candidate) const;
+  // `measured` per step: the candidate on the whole layer's gradient alone (low rank: its
+  // real state).
+  double measured_mean(size_t layer, uint32_t candidate) const;
   // The window sums of one measurement of a candidate (for tests and diagnostics).
   double measured_sum(size_t layer, uint32_t candidate) const { return data_[first_[layer] + candidate]; }
   double simulated_sum(size_t layer, uint32_t candidate) const { return data_[simulated_ + first_[layer] + candidate]; }
   double reference_sum(size_t layer, uint32_t candidate) const { return data_[reference_ + first_[layer] + candidate]; }
+  double current_sum(size_t layer, uint32_t candidate) const { return data_[current_ + first_[layer] + candidate]; }
   double realized_sum(size_t layer) const { return data_[realized_ + layer]; }
-  // `measured` per step: the candidate on the real state of the whole layer now.
-  double measured_mean(size_t layer, uint32_t candidate) const;
+
   // The gradient's sum of |g| per step (summed over ranks); 0 without samples.
   double magnitude_mean(size_t layer) const;
 
-  // The accumulator's state as one flat array of doubles: the measured, simulated and
-  // reference sums per candidate, the realized and magnitude sums, the sample counts and
-  // the skipped counts per layer. Summing these elementwise across ranks
+  // The accumulator's state as one flat array of doubles: the measured, simulated,
+  // reference and current sums per candidate, the realized and magnitude sums, the sample
+  // counts and the skipped counts per layer. Summing these elementwise across ranks
   // (counts stay exact below 2^53) is the whole aggregation.
   std::span<double> reduction_buffer() { return data_; }
   std::span<const double> reduction_buffer() const { return data_; }
@@ -109,7 +118,9 @@ class ErrorStats {
   std::vector<uint32_t> first_;  // candidate sums of layer l start at first_[l]
   ErrorMetric metric_;
   std::vector<double> data_;
-  size_t simulated_ = 0, reference_ = 0, realized_ = 0, magnitude_ = 0, samples_offset_ = 0;
+  size_t simulated_ = 0, reference_ = 0, current_ = 0, realized_ = 0, magnitude_ = 0, samples_offset_ = 0;
+  // The scale from the sample to the whole layer of candidate c's measurements.
+  double content_ratio(size_t layer, uint32_t candidate) const;
   std::vector<double> scale_;  // per layer
 };
 

@@ -184,12 +184,12 @@ BucketLayout layout_from_registration(const config::RegisteredBucket& bucket, co
 // Per-bucket state
 
 // One measured call's errors on their way to the host. Its buffer, for L layers and C
-// candidate columns: three tables of L x C doubles (the candidates measured on this
-// rank's part of the whole layers, simulated and measured on the sample by the error
-// probe), the realized error on the sample (L doubles), then flags: the whole-layer
-// measurement's non-finite layers (L bytes), the simulation's (L x C), the sample
-// measurement's and the realized error's (L each); then the gradient's magnitude on this
-// rank (L doubles: sum of |g| of each layer's input, what the controller tracks drift by).
+// candidate columns: four tables of L x C doubles (the candidates measured on this rank's
+// whole layers' gradients, and low-rank ones on their real state; the error probe's
+// simulation, the sample's content and its real state), the realized error on the sample
+// (L doubles), then flags: the whole-layer measurement's non-finite layers (L bytes), the
+// simulation's (L x C), the sample measurements' and the realized error's (L each); then
+// the gradient's magnitude on this rank (L doubles: sum |g| of each layer, for the drift).
 struct Engine::Sample {
   uint32_t bucket = 0;
   uint64_t bytes = 0;
@@ -200,12 +200,13 @@ struct Engine::Sample {
   double* magnitude = nullptr;   // where the layers' magnitude goes
 
   struct Layout {
-    uint64_t measured = 0, simulated, reference, realized, nonfinite, simulated_nonfinite, reference_nonfinite,
-             realized_nonfinite, magnitude, bytes;
+    uint64_t measured = 0, simulated, reference, current, realized, nonfinite, simulated_nonfinite,
+             reference_nonfinite, realized_nonfinite, magnitude, bytes;
     Layout(uint64_t layers, uint64_t columns)
         : simulated(layers * columns * sizeof(double)),
           reference(2 * simulated),
-          realized(3 * simulated),
+          current(3 * simulated),
+          realized(4 * simulated),
           nonfinite(realized + layers * sizeof(double)),
           simulated_nonfinite(nonfinite + layers),
           reference_nonfinite(simulated_nonfinite + layers * columns),
@@ -293,9 +294,6 @@ struct Engine::BucketState {
   std::optional<ExchangeSizes> sizes;           // of plan
   std::vector<uint64_t> gathered_bytes;         // per rank, of gathered
   uint64_t encoded_bytes = 0;                   // one encoding of the call: plan + gathered
-  // Adaptive layers by the exchange of their current codec (1 = measured in that group):
-  // reduced by sra, or not (gathered or low rank).
-  std::vector<uint8_t> measured_reduce, measured_unreduced;
   // The error probe of the adaptive layers (null without a controller or such layers).
   std::unique_ptr<BucketProbe> probe;
   // Low rank (docs/ENGINE.md): the layers whose codec is powersgd now, with offsets into
@@ -331,8 +329,6 @@ Engine::Engine(EngineOptions options, std::vector<BucketLayout> buckets, Fabric&
         if (it == measured_candidates_.end()) {
           it = measured_candidates_.insert(measured_candidates_.end(), c);
           const Exchange e = exchange_of(c);
-          gather_candidates_.push_back(e == Exchange::kGather ? 1 : 0);
-          reduce_candidates_.push_back(e == Exchange::kReduce ? 1 : 0);
           lowrank_candidates_.push_back(e == Exchange::kLowRank ? 1 : 0);
           not_lowrank_candidates_.push_back(e == Exchange::kLowRank ? 0 : 1);
         }
@@ -535,15 +531,12 @@ void Engine::switch_to(std::shared_ptr<const controller::Assignment> assignment)
     }
     const size_t layers = layout.layers.size();
     std::vector<uint8_t> reduce_layers(layers), gather_layers(layers), lowrank_layers(layers), not_lowrank(layers);
-    s.measured_reduce.assign(layers, 0);
-    s.measured_unreduced.assign(layers, 0);
     for (size_t l = 0; l < layers; ++l) {
       const Exchange e = exchange_of(s.codecs[l]);
       gather_layers[l] = e == Exchange::kGather;
       reduce_layers[l] = e == Exchange::kReduce;
       lowrank_layers[l] = e == Exchange::kLowRank;
       not_lowrank[l] = !lowrank_layers[l];
-      (e == Exchange::kReduce ? s.measured_reduce : s.measured_unreduced)[l] = s.measured[l];
     }
     const bool any_lowrank = std::find(lowrank_layers.begin(), lowrank_layers.end(), 1) != lowrank_layers.end();
     s.whole = make_plan(layout, s.codecs, 1);
@@ -824,25 +817,13 @@ CallOutcome Engine::run(const EngineCall& call) {
   if (probing) probe_step(b, call, sample);
   if (sample) {
     measure_lowrank(b, call, *sample);
-    // The layers' magnitude, sum |g|, for the controller's drift: robust where a sum of
-    // squares of heavy-tailed values would swing with its largest few.
-    backend_.distance(b.whole.segments, ElementSpan{const_cast<void*>(call.send), call.dtype, 0}, nullptr, 1, 1.0,
-                      sample->magnitude, sample->measure.nonfinite);
+    measure_whole_layers(b, call, *sample);
   }
   if (b.algorithm == Algorithm::kAllGather) {
-    // Every layer whole: every candidate but the low-rank ones is measured as this
-    // algorithm would send it.
-    if (sample) {
-      Backend::Measure m = first_stage_measure(*sample, call.op);
-      if (lowrank_candidates_any()) m.candidate_mask = not_lowrank_candidates_;
-      backend_.measure(b.whole, b.whole.segments, ElementSpan{const_cast<void*>(call.send), call.dtype, 0},
-                       b.residual ? static_cast<float*>(b.residual->data()) : nullptr, 0, m);
-    }
     if (b.plan.total_bytes > 0) all_gather(b.plan, b, call, timing);
   } else {
-    if (sample) measure_whole_layers(b, call, *sample);
     if (!b.gathered.segments.empty()) all_gather(b.gathered, b, call, timing);
-    if (b.plan.total_bytes > 0) reduce_scatter_allgather(b, call, sample, timing);
+    if (b.plan.total_bytes > 0) reduce_scatter_allgather(b, call, timing);
   }
   if (!b.lowrank.empty()) low_rank(b, call, timing);
   if (probing && sample)
@@ -913,7 +894,8 @@ Engine::Sample* Engine::begin_sample(BucketState& b, const EngineCall& call) {
   sample->measure.nonfinite = device + at.nonfinite;
   sample->magnitude = reinterpret_cast<double*>(device + at.magnitude);
   sample->probe = ProbeOutput{reinterpret_cast<double*>(device + at.simulated), device + at.simulated_nonfinite,
-                              reinterpret_cast<double*>(device + at.reference), device + at.reference_nonfinite,
+                              reinterpret_cast<double*>(device + at.reference),
+                              reinterpret_cast<double*>(device + at.current), device + at.reference_nonfinite,
                               reinterpret_cast<double*>(device + at.realized), device + at.realized_nonfinite};
   samples_.push_back(std::move(sample));
   return samples_.back().get();
@@ -939,9 +921,10 @@ void Engine::collect_samples(bool wait) {
     const double* measured = table(at.measured);
     const double* simulated = table(at.simulated);
     const double* reference = table(at.reference);
+    const double* current = table(at.current);
     const double* realized = table(at.realized);
     const double* magnitude = table(at.magnitude);
-    std::vector<double> values[3];
+    std::vector<double> values[4];
     for (size_t l = 0; l < b.controller_of.size(); ++l) {
       const int32_t k = b.controller_of[l];
       if (k < 0) continue;
@@ -954,14 +937,21 @@ void Engine::collect_samples(bool wait) {
         values[0].push_back(measured[l * c + column]);
         values[1].push_back(mine ? simulated[l * c + column] : 0.0);
         values[2].push_back(mine ? reference[l * c + column] : 0.0);
+        values[3].push_back(mine ? current[l * c + column] : 0.0);
         bad |= mine && host[at.simulated_nonfinite + l * c + column] != 0;
       }
       bad |= mine && (host[at.reference_nonfinite + l] != 0 || host[at.realized_nonfinite + l] != 0);
       if (bad) values[0].assign(values[0].size(), std::numeric_limits<double>::infinity());
       // A non-finite sample is counted as skipped.
-      stats_->add(static_cast<size_t>(k), controller::ErrorStats::Sample{values[0], values[1], values[2],
-                                                                         mine ? realized[l] : 0.0, magnitude[l],
-                                                                         !b.probe || mine});
+      controller::ErrorStats::Sample sample;
+      sample.measured = values[0];
+      sample.simulated = values[1];
+      sample.reference = values[2];
+      sample.current = values[3];
+      sample.realized = mine ? realized[l] : 0.0;
+      sample.magnitude = magnitude[l];
+      sample.counted = !b.probe || mine;
+      stats_->add(static_cast<size_t>(k), sample);  // a non-finite sample is counted as skipped
     }
     spare_samples_.push_back(std::move(samples_.front()));
     samples_.pop_front();
@@ -1057,37 +1047,17 @@ Backend::Measure Engine::first_stage_measure(const Sample& sample, ReduceOp op) 
   return m;
 }
 
-// Candidates measured on whole layers, as each rank encodes them for an all-gather, when
-// the bucket runs sra (the all-gather algorithm measures every candidate so in run()):
-//  - gathered candidates (TopK) of every adaptive layer: exactly what they would cost;
-//  - reducible candidates of a layer whose codec is gathered now: sra would quantize it
-//    twice, and without the owner's sum (that layer is not reduced) the second stage can
-//    only be estimated. Stage 1, a rank's error on the (P-1)/P of the layer it would send,
-//    is taken as (P-1)/P of its error on the whole layer. Stage 2, the owner's re-encoding
-//    of the reduced values, is taken as the error of one rank's contribution scaled to the
-//    reduction (the average spread like one contribution under ncclAvg, P times larger
-//    under ncclSum): per rank, weight 1/P under ncclAvg and P under ncclSum. Gradients of
-//    data-parallel ranks are correlated, so this errs toward more error, against a switch
-//    back to quantization that the budget could not afford. docs/ENGINE.md.
-// The reducible candidates of layers whose codec reduces are measured on the partitions
-// by reduce_scatter_allgather(), exactly.
+// The whole layers' content, for the estimates (docs/CONTROLLER.md): every candidate but
+// the low-rank ones on each rank's gradient alone, no residual (a state-free measurement,
+// so that the sample's composition factor, this over the same on the sample, does not
+// depend on what the codecs in effect left in the residuals), and each layer's magnitude
+// sum |g| for the drift.
 void Engine::measure_whole_layers(BucketState& b, const EngineCall& call, Sample& sample) {
   const ElementSpan input{const_cast<void*>(call.send), call.dtype, 0};
-  const float* residual = b.residual ? static_cast<float*>(b.residual->data()) : nullptr;
-  const Backend::Measure first = first_stage_measure(sample, call.op);
-  const double n = fabric_.size();
-  if (gathered_candidates_any()) {
-    Backend::Measure m = first;
-    m.candidate_mask = gather_candidates_;
-    backend_.measure(b.whole, b.whole.segments, input, residual, 0, m);
-  }
-  if (std::find(b.measured_unreduced.begin(), b.measured_unreduced.end(), 1) != b.measured_unreduced.end()) {
-    Backend::Measure m = first;
-    m.measured = b.measured_unreduced;
-    m.candidate_mask = reduce_candidates_;
-    m.weight = first.weight * (n - 1) / n + (call.op == ReduceOp::kAvg ? 1.0 / n : n);
-    backend_.measure(b.whole, b.whole.segments, input, residual, 0, m);
-  }
+  Backend::Measure m = first_stage_measure(sample, call.op);
+  if (lowrank_candidates_any()) m.candidate_mask = not_lowrank_candidates_;
+  backend_.measure(b.whole, b.whole.segments, input, nullptr, 0, m);
+  backend_.distance(b.whole.segments, input, nullptr, 1, 1.0, sample.magnitude, sample.measure.nonfinite);
 }
 
 // Low-rank candidates, on every adaptive matrix layer that has one: each rank's own
@@ -1249,7 +1219,7 @@ void Engine::probe_step(BucketState& b, const EngineCall& call, Sample* sample) 
   counters_.wire_bytes_sent += sent;
 }
 
-void Engine::reduce_scatter_allgather(BucketState& b, const EngineCall& call, Sample* sample, CallTiming& timing) {
+void Engine::reduce_scatter_allgather(BucketState& b, const EngineCall& call, CallTiming& timing) {
   const Plan& plan = b.plan;
   const ExchangeSizes& sizes = *b.sizes;
   const int n = fabric_.size(), me = fabric_.rank();
@@ -1263,22 +1233,6 @@ void Engine::reduce_scatter_allgather(BucketState& b, const EngineCall& call, Sa
   uint8_t* reencoded = scratch(kReencoded, sizes.reencoded);
   uint8_t* gathered = scratch(kGathered, sizes.gathered);
 
-  // The output's error is this stage's error on every partition a rank sends plus the
-  // owners' re-encoding error: the candidates are measured on both, so that the
-  // controller's budget covers both quantizations (segments are whole buckets of every
-  // candidate: plan.h, layer_granule).
-  // Only the reducible candidates: gathered ones are measured on whole layers
-  // (measure_whole_layers), low-rank ones by measure_lowrank, each as it would be sent.
-  // The plan holds only layers whose codec reduces.
-  const std::span<const uint8_t> reducible = gathered_candidates_any() || lowrank_candidates_any()
-                                                ? std::span<const uint8_t>(reduce_candidates_)
-                                                : std::span<const uint8_t>();
-  if (sample) {
-    Backend::Measure first = first_stage_measure(*sample, call.op);
-    first.candidate_mask = reducible;
-    for (int q = 0; q < n; ++q)
-      if (q != me) backend_.measure(plan, plan.segments_of(plan.partitions[q]), input, residual, 0, first);
-  }
   // Stage 1: encode every partition but this rank's own, back to back in rank order.
   timing.start_codec(backend_);
   if (flags) backend_.find_nonfinite(plan, plan.segments, input, flags);
@@ -1311,11 +1265,6 @@ void Engine::reduce_scatter_allgather(BucketState& b, const EngineCall& call, Sa
   if (call.op == ReduceOp::kAvg) backend_.divide(acc, mine.count(), static_cast<float>(n));
   float* owner_residual = b.owner_residual ? static_cast<float*>(b.owner_residual->data()) : nullptr;
   timing.stop_codec(backend_);
-  if (sample) {
-    Backend::Measure second = sample->measure;
-    second.candidate_mask = reducible;
-    backend_.measure(plan, own, sum, owner_residual, mine.begin, second);
-  }
   // Stage 2: re-encode the sum with the owner's residual (its own noise stream).
   timing.start_codec(backend_);
   NoiseBase reencode = noise;

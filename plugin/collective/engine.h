@@ -184,7 +184,7 @@ class Engine {
   void collect_samples(bool wait);  // measured errors that reached the host, into stats_
   void resolve_timings(bool wait);  // marks the queue has passed, into counters and window_
   void submit_window();
-  void reduce_scatter_allgather(BucketState& b, const EngineCall& call, Sample* sample, CallTiming& timing);
+  void reduce_scatter_allgather(BucketState& b, const EngineCall& call, CallTiming& timing);
   BucketProbe::Buffers probe_buffers();
   controller::ErrorStats new_window_stats() const;  // the controller's, with the probe's sample scales
   void probe_step(BucketState& b, const EngineCall& call, Sample* sample);
@@ -198,9 +198,6 @@ class Engine {
   }
   uint32_t max_lowrank_candidate_rank() const;  // of the measured candidates; 0: none
   std::string unsupported_codec() const;  // "" or the first codec the backend cannot run
-  bool gathered_candidates_any() const {
-    return std::find(gather_candidates_.begin(), gather_candidates_.end(), 1) != gather_candidates_.end();
-  }
   uint8_t* scratch(int which, uint64_t bytes);
   Backend::Measure first_stage_measure(const Sample& sample, ReduceOp op) const;
 
@@ -214,8 +211,8 @@ class Engine {
 
   std::vector<std::unique_ptr<BucketState>> state_of_;
   std::vector<CodecSpec> measured_candidates_;  // the candidate list of adaptive layers
-  // Per measured candidate: 1 if its codec is gathered (TopK) / reducible / low rank.
-  std::vector<uint8_t> gather_candidates_, reduce_candidates_, lowrank_candidates_, not_lowrank_candidates_;
+  // Per measured candidate: 1 if its codec is low rank (measure_lowrank), or not.
+  std::vector<uint8_t> lowrank_candidates_, not_lowrank_candidates_;
   std::vector<std::string> controller_names_;
   std::unique_ptr<controller::Controller> controller_;
   std::shared_ptr<const controller::Assignment> assignment_;

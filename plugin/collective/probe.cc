@@ -298,12 +298,16 @@ void BucketProbe::step(Backend& backend, Fabric& fabric, const Call& call, const
   backend.distance(all, floats(buf.error), nullptr, 2, 1.0, out->simulated, out->simulated_nonfinite);
 }
 
-// Every candidate on the real state of the sample, as the engine measures the whole layers
-// (Engine::run and measure_whole_layers): each rank's g + r with weight w^2 (all ranks for
-// gathered candidates and under all-gather; all but the owner, this rank, for the first
-// stage of reduced layers; reducible candidates of a layer that is not reduced now by the
-// engine's estimate of both stages), and the owner's sum of the current codecs' decoded
-// values plus the real owner residual. Also the exact reduction for realized().
+// The sample measured two ways. Its content: every simulated candidate on each rank's g
+// alone, weight w^2, as Engine::measure_whole_layers measures the whole layers (the
+// estimate's composition factor is their ratio). Its real state, what each candidate
+// makes now on the residuals the codecs in effect left (a switch's starting point,
+// controller.h): each rank's g + r with weight w^2 (all ranks for gathered candidates and
+// under all-gather; all but the owner, this rank, for the first stage of reduced layers;
+// the reducible candidates of a layer that is not reduced now with both stages estimated
+// from one rank's contribution, weight w^2 (P-1)/P plus 1/P under ncclAvg or P), and the
+// owner's sum of the current codecs' decoded values plus the real owner residual. Also the
+// exact reduction for realized().
 void BucketProbe::measure_reference(Backend& backend, const Call& call, const Buffers& buf, const ProbeOutput& out) {
   const int n = ranks_;
   const double pn = n;
@@ -315,7 +319,7 @@ void BucketProbe::measure_reference(Backend& backend, const Call& call, const Bu
   const std::span<const Segment> layers = sample_plan_.segments;
   Backend::Measure m;
   m.candidates = call.candidates;
-  m.squared = out.reference;
+  m.squared = out.current;
   m.nonfinite = out.reference_nonfinite;
   const auto measure = [&](const float* x, const float* residual, std::span<const uint8_t> which,
                            std::span<const uint8_t> mask, double weight) {
@@ -324,6 +328,14 @@ void BucketProbe::measure_reference(Backend& backend, const Call& call, const Bu
     m.weight = weight;
     backend.measure(sample_plan_, layers, floats(x), residual, 0, m);
   };
+  // The sample's content, as the engine measures the whole layers': every simulated
+  // candidate on each rank's gradient alone.
+  Backend::Measure content = m;
+  content.squared = out.reference;
+  content.measured = mine_layers_;
+  content.candidate_mask = simulated_;
+  content.weight = w2;
+  for (int p = 0; p < n; ++p) backend.measure(sample_plan_, layers, floats(block(p, 0)), nullptr, 0, content);
   backend.fill_zero(buf.exact, bytes);
   backend.fill_zero(buf.owner, bytes);
   backend.fill_zero(buf.owner_sum, bytes);

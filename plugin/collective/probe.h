@@ -25,18 +25,20 @@
 //    shadow residuals (w = 1/P under ncclAvg, else 1), for any codec: errors that
 //    correlate across ranks (TopK's, round to nearest) count as they reach the output.
 //    This is `simulated`, the candidate in its own steady state;
-//  - measures, with Backend::measure, every candidate on the REAL state of the sample
-//    (each rank's g + r; the owner's sum, simulated with the current codecs, plus the real
-//    owner residual), as the engine measures it on the whole layers: `reference`;
+//  - measures, with Backend::measure, every candidate on the sample's gradients alone
+//    (`reference`, the sample's content), and on its REAL state (each rank's g + r; the
+//    owner's sum, simulated with the current codecs, plus the real owner residual):
+//    `current`, where a switch to the candidate would start from;
 //  - measures the call's realized error on the sample: its output minus the exact
 //    reduction of what it encoded, sum_p w (g_p + r_p) + r2: `realized`.
-// The engine measures every candidate on the whole layers' real state too (`measured`).
-// The controller's estimate of a candidate is then measured x simulated / reference: the
-// whole layer's error on the real state, corrected by the ratio of the candidate's own
-// state to the real state on the sample. Sample and whole layer differ in their content
-// (a heavy-tailed layer's outliers are where they are); the ratio cancels that, which a
-// sample alone would not (measured on the demo: the sampled default's error swung by
-// 45% between windows, the corrected one by a few percent).
+// The engine measures every candidate on the whole layers' gradients alone too
+// (`measured`). The controller's estimate of a candidate is simulated x measured /
+// reference: the sample's own-state error scaled by the ratio of the whole layer's content
+// to the sample's. Sample and whole layer differ in content (a heavy-tailed layer's
+// outliers are where they are); the ratio cancels that (measured on the demo: the sampled
+// default's error alone swung by 45% between windows). Both contents are measured on g
+// alone: a ratio taken on the real state would carry the state's own composition (a TopK
+// residual piles up in a few elements) into every candidate.
 //
 // Shadow residuals persist across windows and switches. Without error feedback they
 // restart from zero each step and r is 0. Everything runs through Backend operations and
@@ -70,11 +72,13 @@ struct ProbeSettings {
 // Where the probe writes one call's measurements (backend memory, zeroed by the caller),
 // for the layers this rank simulates; tables of L layers x C candidate columns:
 // simulated[l * C + k] and its flag simulated_nonfinite[l * C + k]; reference[l * C + k]
-// (with reference_nonfinite[l]); realized[l] (realized_nonfinite[l]).
+// and current[l * C + k] (with reference_nonfinite[l] for both); realized[l]
+// (realized_nonfinite[l]).
 struct ProbeOutput {
   double* simulated = nullptr;
   uint8_t* simulated_nonfinite = nullptr;
-  double* reference = nullptr;
+  double* reference = nullptr;  // the sample's content: each candidate on g alone
+  double* current = nullptr;    // each candidate on the sample's real state
   uint8_t* reference_nonfinite = nullptr;
   double* realized = nullptr;
   uint8_t* realized_nonfinite = nullptr;

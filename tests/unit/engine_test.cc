@@ -819,7 +819,9 @@ BOOST_AUTO_TEST_CASE(measured_errors_are_the_output_errors) {
 // minus the exact reduction of what was encoded, computed here from the residuals) stays
 // within that of a uniform 4-bit run of the same gradients, for fewer bytes; with the
 // closed loop off too, so the model is right and not only corrected. Before the error
-// probe the narrow codecs were measured on the default's residuals, and this overspent.
+// probe the narrow codecs were measured on the default's residuals, and this overspent:
+// on the code before it, in two runs, 1.065 and 1.021 over the steady epochs, and 1.18 in
+// the worst epoch of each.
 // (Not under ThreadSanitizer: its threads are those of the other engine tests, and its
 // size would take minutes there.)
 #if !defined(__SANITIZE_THREAD__)
@@ -836,7 +838,7 @@ BOOST_AUTO_TEST_CASE(the_realized_error_stays_within_budget_over_epochs) {
     bucket.count += size;
     scale.push_back(std::pow(10.0, -2.0 + 3.0 * static_cast<double>((l * 5) % kLayers) / (kLayers - 1)));
   }
-  // Rank r's gradient: per layer, its scale times a mean shared by the ranks (60%) plus the
+  // Rank r's gradient: per layer, its scale times a mean shared by the ranks (80%) plus the
   // rank's own noise, of the layer's tail family (l % 3: normal, Laplace, t with 4 dof).
   const auto draw = [](size_t family, std::mt19937_64& rng) {
     if (family == 0) return std::normal_distribution<double>(0, 1)(rng);
@@ -852,7 +854,7 @@ BOOST_AUTO_TEST_CASE(the_realized_error_stays_within_budget_over_epochs) {
     for (size_t l = 0; l < kLayers; ++l)
       for (uint64_t i = 0; i < bucket.layers[l].numel; ++i) {
         const double shared = draw(l % 3, shared_rng), own = draw(l % 3, own_rng);
-        x[bucket.layers[l].offset + i] = static_cast<float>(scale[l] * (std::sqrt(0.6) * shared + std::sqrt(0.4) * own));
+        x[bucket.layers[l].offset + i] = static_cast<float>(scale[l] * (std::sqrt(0.8) * shared + std::sqrt(0.2) * own));
       }
     return x;
   };
@@ -895,14 +897,19 @@ BOOST_AUTO_TEST_CASE(the_realized_error_stays_within_budget_over_epochs) {
     // From the second adaptive epoch on (the first starts from the default's residuals).
     const double ratio = total(adaptive, 13, 36) / total(reference, 13, 36);
     std::string epochs;
-    for (uint64_t from : {7, 13, 19, 25, 31})
-      epochs += " " + std::to_string(total(adaptive, from, from + 6) / total(reference, from, from + 6));
+    double worst = 0;
+    for (uint64_t from : {7, 13, 19, 25, 31}) {
+      const double epoch = total(adaptive, from, from + 6) / total(reference, from, from + 6);
+      epochs += " " + std::to_string(epoch);
+      worst = std::max(worst, epoch);
+    }
     BOOST_TEST_CONTEXT("seed " << seed << ", loop " << (loop ? "on" : "off") << ": compression error over the uniform "
                                << "run's " << ratio << "; per epoch" << epochs) {
       BOOST_TEST_MESSAGE("loop " << (loop ? "on" : "off") << ": compression error over the uniform run's " << ratio
                                  << "; per epoch" << epochs);
       BOOST_TEST(ratio <= 1.05);
       BOOST_TEST(ratio >= 0.80);  // the budget used, not wasted
+      BOOST_TEST(worst <= 1.08);  // every adaptive epoch (before the probe: 1.15-1.18)
       const uint64_t bytes = adaptive.encoded_bytes[35] - adaptive.encoded_bytes[12];
       const uint64_t uniform_bytes = reference.encoded_bytes[35] - reference.encoded_bytes[12];
       BOOST_TEST(bytes * 1.1 < uniform_bytes);

@@ -299,7 +299,7 @@ BOOST_AUTO_TEST_CASE(shadows_give_each_candidate_its_own_steady_state_error) {
       for (uint64_t step = 8; step < 12; ++step) realized += real.error[step][0][l] / 4;
       const uint32_t c = static_cast<uint32_t>(bits - 2);
       const double simulated = stats->simulated_sum(l, c) / 4, estimate = stats->mean(l, c);
-      const double on_default_state = stats->measured_sum(l, c) / 4;
+      const double on_default_state = stats->current_mean(l, c);
       BOOST_TEST_CONTEXT("seed " << seed << ", " << bits << " bits, layer " << l << ": simulated " << simulated
                                  << ", estimate " << estimate << ", on the default's state " << on_default_state
                                  << ", a real run " << realized) {

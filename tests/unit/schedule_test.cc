@@ -167,38 +167,39 @@ BOOST_AUTO_TEST_CASE(sums_and_means_match_a_float64_reference_for_both_metrics) 
   }
 }
 
-// A candidate's estimate: measured x simulated / reference (window sums), else measured,
-// else simulated x the sample's scale; the realized error scaled like the current
-// codec's; shares that other ranks count add without counting.
-BOOST_AUTO_TEST_CASE(estimates_combine_the_three_measurements) {
+// A candidate's estimate: simulated x measured / reference (window sums: the sample's
+// own-state error scaled by the whole layer's content over the sample's), else measured,
+// else simulated x the sample's scale; the real state now and the realized error scaled
+// alike; shares that other ranks count add without counting.
+BOOST_AUTO_TEST_CASE(estimates_combine_the_measurements) {
   ErrorStats s({3, 2}, controller::ErrorMetric::kSquaredL2);
   s.set_sample_scale(0, 16);
   s.set_sample_scale(1, 4);
-  const std::vector<double> measured0 = {8, 4, 2}, simulated0 = {1, 0.25, 0}, reference0 = {0.5, 0.25, 0};
+  const std::vector<double> measured0 = {8, 4, 2}, simulated0 = {1, 0.25, 0}, reference0 = {0.5, 0.25, 0},
+                            current0 = {0.6, 0.3, 0};
   ErrorStats::Sample a;
   a.measured = measured0;
   a.simulated = simulated0;
   a.reference = reference0;
+  a.current = current0;
   a.realized = 0.2;
   a.magnitude = 10;
   BOOST_TEST(s.add(0, a));
-  const std::vector<double> share = {8, 4, 2}, zeros = {0, 0, 0};
-  ErrorStats::Sample b;  // another rank's share of the same step
-  b.measured = share;
-  b.simulated = zeros;
-  b.reference = zeros;
+  ErrorStats::Sample b;  // another rank's share of the same step: its whole layer's content
+  b.measured = measured0;
   b.magnitude = 6;
   b.counted = false;
   BOOST_TEST(s.add(0, b));
   BOOST_TEST(s.samples(0) == 1u);
-  BOOST_TEST(s.mean(0, 0) == 16.0 * 1 / 0.5);   // the whole layer, in the candidate's own state
-  BOOST_TEST(s.mean(0, 1) == 8.0);              // simulated = reference: measured as it is
-  BOOST_TEST(s.mean(0, 2) == 4.0);              // not simulated (low rank): measured
-  BOOST_TEST(s.measured_mean(0, 0) == 16.0);
-  BOOST_TEST(s.realized_mean(0, 1) == 16.0 * 0.2 / 0.5 / 1);  // like candidate 0's estimate...
-  BOOST_TEST(s.realized_mean(0, 2) == 0.2 * 16);               // ...or scaled by the sample
+  BOOST_TEST(s.mean(0, 0) == 1 * 16.0 / 0.5);    // the sample's own state, scaled to the layer
+  BOOST_TEST(s.mean(0, 1) == 0.25 * 8.0 / 0.25);
+  BOOST_TEST(s.mean(0, 2) == 4.0);               // not simulated (low rank): measured
+  BOOST_TEST(s.current_mean(0, 0) == 0.6 * 16.0 / 0.5);
+  BOOST_TEST(s.current_mean(0, 2) == 4.0);
+  BOOST_TEST(s.realized_mean(0, 1) == 0.2 * 8.0 / 0.25);  // like candidate 1's estimate...
+  BOOST_TEST(s.realized_mean(0, 2) == 0.2 * 16);          // ...or scaled by the sample
   BOOST_TEST(s.magnitude_mean(0) == 16.0);
-  // Without a whole-layer measurement: the simulation scaled to the layer.
+  // Without a whole-layer measurement: the simulation scaled by the sample.
   const std::vector<double> none = {0, 0}, sim = {0.5, 0.25};
   ErrorStats::Sample c;
   c.measured = none;
