@@ -49,7 +49,8 @@ Controller::Controller(ControllerSettings settings, std::vector<Layer> layers, S
   for (const Layer& layer : layers_) defaults->choices.push_back(layer.default_index);
   in_effect_ = defaults->choices;
   last_magnitude_.assign(layers_.size(), 0.0);
-  predicted_.assign(layers_.size(), -1.0);
+  chosen_.resize(layers_.size());
+  chosen_drift_.assign(layers_.size(), 1.0);
   current_ = std::move(defaults);
   if (!settings_.decision_log_path.empty()) {
     decision_log_ = fopen(settings_.decision_log_path.c_str(), "a");
@@ -169,7 +170,13 @@ WindowReading Controller::read_window(const ErrorStats& stats) const {
     r.realized += stats.realized_mean(l, in_effect_[l]);
     // What the solve that chose the assignment in effect predicted for it (the defaults'
     // estimate in this window before the first solve).
-    r.predicted += predicted_[l] >= 0 ? predicted_[l] : stats.mean(l, in_effect_[l]);
+    // Its error over the window's steps, which lie late in the epoch: a transient's rise
+    // or fall is mostly done there (comparing with the epoch's mean would read a TopK
+    // epoch's rise as the model's bias).
+    const ScheduleSettings& s = settings_.schedule;
+    r.predicted += chosen_[l] ? mean_error(*chosen_[l], s.period - s.window - s.switch_lag + 1, s.window) *
+                                    chosen_drift_[l]
+                              : stats.mean(l, in_effect_[l]);
     defaults += stats.mean(l, layers_[l].default_index);
   }
   r.budget = settings_.alpha * defaults;
@@ -238,12 +245,14 @@ std::vector<double> Controller::drift_of(const ErrorStats& stats, uint64_t windo
 //    from the state now: the epoch's mean is taken as max(steady, now + fresh (T - 1) / 2).
 //    (Capped at the shadow instead, the demo's first TopK epoch realized 1.5x its budget.)
 // For the codec in effect, settled, now = steady and nothing changes.
-double Controller::epoch_error(std::string_view codec, double steady, double now, double fresh, uint64_t period) {
-  const double t = static_cast<double>(period);
-  if (codec_family(codec) == "topk" && now > 0) return std::max(steady, now + std::max(fresh, 0.0) * (t - 1) / 2);
-  if (!(steady > 0) || !(now > 0) || steady == now) return steady;
-  const double rate = std::min(0.8, 1 - std::sqrt(std::min(steady, now) / std::max(steady, now)));
-  return steady + (now - steady) * (1 - std::pow(rate, t)) / (t * (1 - rate));
+// The mean over the `count` steps from `first` after the switch (0: the switch step).
+double Controller::mean_error(const Transient& x, uint64_t first, uint64_t count) {
+  const double a = static_cast<double>(first), n = static_cast<double>(std::max<uint64_t>(count, 1));
+  if (codec_family(x.codec) == "topk" && x.now > 0)
+    return std::max(x.steady, x.now + std::max(x.fresh, 0.0) * (a + (n - 1) / 2));
+  if (!(x.steady > 0) || !(x.now > 0) || x.steady == x.now) return x.steady;
+  const double rate = std::min(0.8, 1 - std::sqrt(std::min(x.steady, x.now) / std::max(x.steady, x.now)));
+  return x.steady + (x.now - x.steady) * std::pow(rate, a) * (1 - std::pow(rate, n)) / (n * (1 - rate));
 }
 
 Problem Controller::problem_from(const Job& job, std::span<const double> drift) const {
@@ -266,9 +275,10 @@ Problem Controller::problem_from(const Job& job, std::span<const double> drift) 
       continue;
     }
     for (uint32_t c = 0; c < layer.candidates.size(); ++c) {
-      const double steady = stats.mean(l, c), now = stats.current_mean(l, c), fresh = stats.measured_mean(l, c);
-      layer.candidates[c].error =
-          epoch_error(layer.candidates[c].codec, steady, now, fresh, settings_.schedule.period) * drift[l];
+      const Transient x{layer.candidates[c].codec, stats.mean(l, c), stats.current_mean(l, c),
+                        stats.measured_mean(l, c)};
+      layer.candidates[c].error = mean_error(x, 0, settings_.schedule.period) * drift[l];
+      const double steady = x.steady;
       if (c == layer.default_index) steady_defaults += steady * drift[l], epoch_defaults += layer.candidates[c].error;
     }
   }
@@ -362,10 +372,14 @@ std::shared_ptr<const Assignment> Controller::solve_and_log(const Job& job, cons
               solution.feasible ? "" : " (infeasible: least-error assignment)", problem.alpha,
               reading.budget > 0 ? reading.realized / reading.budget : 0.0, solve_ms);
   in_effect_ = assignment->choices;
-  for (size_t l = 0; l < layers_.size(); ++l)
-    predicted_[l] = problem.layers[l].candidates.size() == layers_[l].candidates.size()
-                        ? problem.layers[l].candidates[solution.choices[l]].error
-                        : -1.0;
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    chosen_[l].reset();
+    if (problem.layers[l].candidates.size() != layers_[l].candidates.size()) continue;  // not measured
+    const uint32_t c = assignment->choices[l];
+    chosen_[l] = Transient{layers_[l].candidates[c].codec, job.stats.mean(l, c), job.stats.current_mean(l, c),
+                           job.stats.measured_mean(l, c)};
+    chosen_drift_[l] = drift[l];
+  }
   assignment->solution = std::move(solution);
   std::lock_guard<std::mutex> lock(mutex_);
   ++counters_.solves;

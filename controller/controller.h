@@ -44,7 +44,7 @@
 // Transients: a layer that switches codec starts from the residual the previous codec
 // left; its error relaxes from what the new codec makes on that state (measured on the
 // whole layer now) to its own steady state (the probe's estimate). Each candidate's
-// error is its mean over the epoch (epoch_error in controller.cc). With 100-step periods
+// error is its mean over the epoch (mean_error in controller.cc). With 100-step periods
 // the transient is a few percent of the epoch; with the demo's 5-step ones, a third.
 //
 // submit() only enqueues; the thread solves and keeps the result until step
@@ -168,7 +168,13 @@ class Controller {
   void run();
   Problem problem_from(const Job& job, std::span<const double> drift) const;
   std::vector<double> drift_of(const ErrorStats& stats, uint64_t window_last) const;
-  static double epoch_error(std::string_view codec, double steady, double now, double fresh, uint64_t period);
+  // A candidate's error after a switch to it (controller.cc, mean_error): its estimate in
+  // its own steady state, on the state now, and on the gradient alone, per step.
+  struct Transient {
+    std::string codec;
+    double steady = 0, now = 0, fresh = 0;
+  };
+  static double mean_error(const Transient& x, uint64_t first, uint64_t count);
   double window_middle(uint64_t last) const;
   std::shared_ptr<const Assignment> solve_job(const Job& job);  // never throws
   std::shared_ptr<const Assignment> solve_and_log(const Job& job, const WindowReading& reading,
@@ -190,8 +196,10 @@ class Controller {
   double alpha_eff_, bias_ = 1;
   std::vector<uint32_t> in_effect_;
   std::vector<double> last_magnitude_;
-  // Per layer: the error the last successful solve predicted for its choice (-1: none).
-  std::vector<double> predicted_;
+  // Per layer: what the last successful solve knew of its choice, and the drift it applied
+  // (none: the layer was not measured, or no solve yet).
+  std::vector<std::optional<Transient>> chosen_;
+  std::vector<double> chosen_drift_;
   double last_middle_ = 0;  // of the window before (0: none yet)
 
   // Training-path state (one thread).
