@@ -343,6 +343,11 @@ std::shared_ptr<const Assignment> Controller::solve_and_log(const Job& job, cons
   assignment->bias = bias_;
   assignment->window = reading;
   assignment->drift.assign(drift.begin(), drift.end());
+  assignment->predicted.resize(layers_.size());
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    const std::vector<Candidate>& candidates = problem.layers[l].candidates;
+    if (candidates.size() == layers_[l].candidates.size()) assignment->predicted[l] = candidates[assignment->choices[l]].error;
+  }
 
   if (decision_log_) {
     std::vector<double> realized;

@@ -111,6 +111,10 @@ struct Assignment {
   double bias = 1;                // the loop's estimate of the model's bias it used
   WindowReading window;           // of the window it was solved from
   std::vector<double> drift;      // per layer: the factor its errors were extrapolated by
+  // Per layer: the mean error per step the solve predicted for its choice over the epoch
+  // (the estimate carried through the switch's transient, times the drift); 0 where the
+  // layer was not measured. What the realized error of the epoch is to be judged against.
+  std::vector<double> predicted;
 };
 
 class Controller {

@@ -102,7 +102,12 @@ BOOST_AUTO_TEST_CASE(every_rank_switches_at_the_same_step_to_the_same_choices) {
   for (const Layer& l : layers) defaults.push_back(l.default_index);
 
   std::vector<uint64_t> switch_steps;
-  std::vector<std::pair<uint64_t, std::vector<uint32_t>>> expected;  // (effective step, choices)
+  struct Expected {
+    uint64_t at;                     // effective step
+    std::vector<uint32_t> choices;
+    std::vector<double> predicted;   // per layer: the chosen candidate's mean error
+  };
+  std::vector<Expected> expected;
   uint64_t epoch = 0;
   for (uint64_t step = 0; step < 45; ++step) {
     std::vector<std::shared_ptr<const Assignment>> a;
@@ -117,10 +122,18 @@ BOOST_AUTO_TEST_CASE(every_rank_switches_at_the_same_step_to_the_same_choices) {
       BOOST_TEST(a[0]->effective_step == step);
     }
     // The assignment in effect is the one solved from the last window whose switch came.
-    std::vector<uint32_t> want = defaults;
-    for (const auto& [at, choices] : expected)
-      if (at <= step) want = choices;
-    BOOST_TEST(a[0]->choices == want, "step " << step);
+    const Expected* want = nullptr;
+    for (const Expected& e : expected)
+      if (e.at <= step) want = &e;
+    BOOST_TEST(a[0]->choices == (want ? want->choices : defaults), "step " << step);
+    // What the solve predicted for each choice: on these settled samples (the state now
+    // is the steady one, no drift) exactly the statistics' mean, for the epoch to be
+    // judged against; 0 for the layer that only passes through.
+    if (want) {
+      BOOST_TEST_REQUIRE(a[0]->predicted.size() == layers.size());
+      for (size_t l = 0; l < layers.size(); ++l)
+        BOOST_TEST(a[0]->predicted[l] == want->predicted[l], boost::test_tools::tolerance(1e-12));
+    }
 
     const auto& schedule = ranks[0]->schedule();
     if (schedule.measures(step))
@@ -130,8 +143,9 @@ BOOST_AUTO_TEST_CASE(every_rank_switches_at_the_same_step_to_the_same_choices) {
       for (int r = 0; r < kRanks; ++r) sum.merge(local[r]);
       for (auto& c : ranks) c->submit(step, sum);
       for (auto& l : local) l.clear();
-      expected.emplace_back(schedule.effective_step(step),
-                            controller::solve(expected_problem(settings, layers, sum)).choices);
+      Expected e{schedule.effective_step(step), controller::solve(expected_problem(settings, layers, sum)).choices, {}};
+      for (size_t l = 0; l < layers.size(); ++l) e.predicted.push_back(sum.mean(l, e.choices[l]));
+      expected.push_back(std::move(e));
     }
   }
   BOOST_TEST(switch_steps == std::vector<uint64_t>({6, 12, 18, 24, 30, 36, 42}));
@@ -326,6 +340,8 @@ BOOST_AUTO_TEST_CASE(a_layer_without_samples_keeps_its_default) {
   const auto a = c.assignment_for_step(2);
   BOOST_TEST(a->epoch == 1u);
   BOOST_TEST(a->choices[1] == layers[1].default_index);
+  BOOST_TEST(a->predicted[1] == 0.0);  // nothing measured, nothing predicted
+  BOOST_TEST(a->predicted[0] > 0.0);
 }
 
 BOOST_AUTO_TEST_CASE(decision_log_has_one_json_line_per_epoch) {
