@@ -255,6 +255,11 @@ double Controller::mean_error(const Transient& x, uint64_t first, uint64_t count
   return x.steady + (x.now - x.steady) * std::pow(rate, a) * (1 - std::pow(rate, n)) / (n * (1 - rate));
 }
 
+Controller::Transient Controller::transient_of(const ErrorStats& stats, size_t layer, uint32_t candidate) const {
+  return Transient{layers_[layer].candidates[candidate].codec, stats.mean(layer, candidate),
+                   stats.current_mean(layer, candidate), stats.measured_mean(layer, candidate)};
+}
+
 Problem Controller::problem_from(const Job& job, std::span<const double> drift) const {
   const ErrorStats& stats = job.stats;
   double steady_defaults = 0, epoch_defaults = 0;
@@ -275,11 +280,9 @@ Problem Controller::problem_from(const Job& job, std::span<const double> drift) 
       continue;
     }
     for (uint32_t c = 0; c < layer.candidates.size(); ++c) {
-      const Transient x{layer.candidates[c].codec, stats.mean(l, c), stats.current_mean(l, c),
-                        stats.measured_mean(l, c)};
+      const Transient x = transient_of(stats, l, c);
       layer.candidates[c].error = mean_error(x, 0, settings_.schedule.period) * drift[l];
-      const double steady = x.steady;
-      if (c == layer.default_index) steady_defaults += steady * drift[l], epoch_defaults += layer.candidates[c].error;
+      if (c == layer.default_index) steady_defaults += x.steady * drift[l], epoch_defaults += layer.candidates[c].error;
     }
   }
   // The budget is the default's error as a uniform run has it, in its own steady state:
@@ -343,10 +346,16 @@ std::shared_ptr<const Assignment> Controller::solve_and_log(const Job& job, cons
   assignment->bias = bias_;
   assignment->window = reading;
   assignment->drift.assign(drift.begin(), drift.end());
-  assignment->predicted.resize(layers_.size());
+  // Per layer, what the solve knew of its choice: the prediction the epoch is judged
+  // against, and for the next window's reading its transient and drift.
+  assignment->predicted.assign(layers_.size(), 0.0);
+  std::vector<std::optional<Transient>> chosen(layers_.size());
   for (size_t l = 0; l < layers_.size(); ++l) {
     const std::vector<Candidate>& candidates = problem.layers[l].candidates;
-    if (candidates.size() == layers_[l].candidates.size()) assignment->predicted[l] = candidates[assignment->choices[l]].error;
+    if (candidates.size() != layers_[l].candidates.size()) continue;  // not measured
+    const uint32_t c = assignment->choices[l];
+    assignment->predicted[l] = candidates[c].error;
+    chosen[l] = transient_of(job.stats, l, c);
   }
 
   if (decision_log_) {
@@ -377,14 +386,8 @@ std::shared_ptr<const Assignment> Controller::solve_and_log(const Job& job, cons
               solution.feasible ? "" : " (infeasible: least-error assignment)", problem.alpha,
               reading.budget > 0 ? reading.realized / reading.budget : 0.0, solve_ms);
   in_effect_ = assignment->choices;
-  for (size_t l = 0; l < layers_.size(); ++l) {
-    chosen_[l].reset();
-    if (problem.layers[l].candidates.size() != layers_[l].candidates.size()) continue;  // not measured
-    const uint32_t c = assignment->choices[l];
-    chosen_[l] = Transient{layers_[l].candidates[c].codec, job.stats.mean(l, c), job.stats.current_mean(l, c),
-                           job.stats.measured_mean(l, c)};
-    chosen_drift_[l] = drift[l];
-  }
+  chosen_ = std::move(chosen);
+  chosen_drift_.assign(drift.begin(), drift.end());
   assignment->solution = std::move(solution);
   std::lock_guard<std::mutex> lock(mutex_);
   ++counters_.solves;

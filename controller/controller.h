@@ -178,6 +178,7 @@ class Controller {
     std::string codec;
     double steady = 0, now = 0, fresh = 0;
   };
+  Transient transient_of(const ErrorStats& stats, size_t layer, uint32_t candidate) const;
   static double mean_error(const Transient& x, uint64_t first, uint64_t count);
   double window_middle(uint64_t last) const;
   std::shared_ptr<const Assignment> solve_job(const Job& job);  // never throws
