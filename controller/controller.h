@@ -173,13 +173,22 @@ class Controller {
   Problem problem_from(const Job& job, std::span<const double> drift) const;
   std::vector<double> drift_of(const ErrorStats& stats, uint64_t window_last) const;
   // A candidate's error after a switch to it (controller.cc, mean_error): its estimate in
-  // its own steady state, on the state now, and on the gradient alone, per step.
+  // its own state, on the state now, and on the gradient alone, per step; the age of the
+  // state its estimate was measured in (its shadow's, in steps; 0: not simulated); and
+  // for the codec in effect, the steps its real state goes on ageing from the window's
+  // middle to the switch (0 for the others, whose state is another codec's).
   struct Transient {
     std::string codec;
     double steady = 0, now = 0, fresh = 0;
+    double age = 0, ageing = 0;
+    std::string state_family;  // of the codec in effect, whose residual the state holds
   };
-  Transient transient_of(const ErrorStats& stats, size_t layer, uint32_t candidate) const;
+  Transient transient_of(const Job& job, size_t layer, uint32_t candidate) const;
   static double mean_error(const Transient& x, uint64_t first, uint64_t count);
+  // The output's TopK error over the independent ranks' sum, on the layer's real state
+  // (controller.cc, transient_of).
+  double topk_correlation(const ErrorStats& stats, size_t layer) const;
+  mutable std::optional<double> pooled_topk_correlation_;  // per window; solver thread only
   double window_middle(uint64_t last) const;
   std::shared_ptr<const Assignment> solve_job(const Job& job);  // never throws
   std::shared_ptr<const Assignment> solve_and_log(const Job& job, const WindowReading& reading,

@@ -29,6 +29,33 @@ bool Schedule::probes(uint64_t step) const {
   return step + s.probe_lead >= first;
 }
 
+uint64_t Schedule::probe_steps_through(uint64_t step) const {
+  const ScheduleSettings& s = settings_;
+  // Window k ends at last_k = warmup - 1 + k period; the steps after last_{k-1} up to
+  // last_k that probe are the last window + probe_lead of them (clipped to 1.., as the
+  // first window is).
+  uint64_t count = 0, after = 0;  // steps <= after are counted
+  for (uint64_t k = 0; after < step; ++k) {
+    const uint64_t last = s.warmup - 1 + k * s.period;
+    const uint64_t first_window = k == 0 ? std::max<uint64_t>(1, s.warmup > s.window ? s.warmup - s.window : 1)
+                                         : last - s.window + 1;
+    const uint64_t from = std::max({after + 1, first_window > s.probe_lead ? first_window - s.probe_lead : 1, uint64_t{1}});
+    const uint64_t to = std::min(last, step);
+    if (to >= from) count += to - from + 1;
+    after = last;
+  }
+  return count;
+}
+
+double Schedule::shadow_age(uint64_t window_last_step) const {
+  const ScheduleSettings& s = settings_;
+  const uint64_t first = window_last_step + 1 > s.window ? window_last_step + 1 - s.window : 1;
+  const uint64_t steps = window_last_step >= std::max<uint64_t>(first, 1) ? window_last_step - std::max<uint64_t>(first, 1) + 1 : 0;
+  if (steps == 0) return 0;
+  // Every window step probes, so the ages over the window rise by one per step.
+  return static_cast<double>(probe_steps_through(window_last_step)) - (static_cast<double>(steps) - 1) / 2;
+}
+
 bool Schedule::window_ends(uint64_t step) const {
   return step + 1 >= settings_.warmup && (step + 1 - settings_.warmup) % settings_.period == 0;
 }

@@ -44,6 +44,12 @@ class Schedule {
   bool measures(uint64_t step) const;
   // Whether the error probe runs at this step: a window's steps and the probe_lead before.
   bool probes(uint64_t step) const;
+  // How many probe steps there are in 1..step (step 0 never probes: the engine's buckets
+  // are not built yet). The error probe's shadow residuals run from the first probe step
+  // on and persist, so this is their age, in steps of gradient seen, after `step`.
+  uint64_t probe_steps_through(uint64_t step) const;
+  // The shadows' mean age over the steps of the window ending at window_last_step.
+  double shadow_age(uint64_t window_last_step) const;
   // Whether this step is the last of a window: after it, aggregate and submit.
   bool window_ends(uint64_t step) const;
   // The first step that uses the assignment solved from a window ending at this step.

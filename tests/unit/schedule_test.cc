@@ -106,6 +106,41 @@ BOOST_AUTO_TEST_CASE(the_probe_runs_in_each_window_and_its_lead) {
   BOOST_TEST(probed.back() == 299u);
 }
 
+// The shadows' age: the probe steps from 1 on, counted one by one with probes(); over a
+// window, their mean.
+BOOST_AUTO_TEST_CASE(the_shadow_age_counts_the_probe_steps_since_step_1) {
+  std::mt19937_64 rng(test::run_seed());
+  for (int i = 0; i < 200; ++i) {
+    ScheduleSettings set;
+    set.warmup = 2 + rng() % 30;
+    set.period = 1 + rng() % 25;
+    set.window = 1 + rng() % set.period;
+    set.switch_lag = 1 + rng() % (set.period + 1 - set.window);
+    set.probe_lead = rng() % 30;
+    const Schedule s(set);
+    BOOST_TEST_CONTEXT("warmup " << set.warmup << " period " << set.period << " window " << set.window << " lead "
+                                 << set.probe_lead) {
+      uint64_t count = 0;
+      std::vector<uint64_t> through(1, 0);  // through[t]: probe steps in 1..t
+      for (uint64_t step = 1; step < 300; ++step) {
+        count += s.probes(step) ? 1 : 0;
+        through.push_back(count);
+        BOOST_TEST(s.probe_steps_through(step) == count, "step " << step);
+      }
+      for (uint64_t end = 1; end < 300; ++end) {
+        if (!s.window_ends(end)) continue;
+        double sum = 0, n = 0;
+        for (uint64_t t = end + 1 > set.window ? end + 1 - set.window : 1; t <= end; ++t)
+          if (t >= 1) sum += static_cast<double>(through[t]), n += 1;
+        BOOST_TEST(s.shadow_age(end) == sum / n, boost::test_tools::tolerance(1e-12));
+      }
+    }
+  }
+  const Schedule defaults(ScheduleSettings{});
+  BOOST_TEST(defaults.shadow_age(99) == 15.5);   // probes 80..99, window 90..99
+  BOOST_TEST(defaults.shadow_age(199) == 35.5);  // and 180..199
+}
+
 BOOST_AUTO_TEST_CASE(invalid_settings_are_named) {
   auto message = [](ScheduleSettings set) {
     try {
