@@ -19,6 +19,17 @@ using controller::ErrorStats;
 
 BOOST_AUTO_TEST_SUITE(schedule)
 
+// Settings that keep every rule, drawn over small ranges; a probe lead too if asked.
+ScheduleSettings random_settings(std::mt19937_64& rng, bool lead) {
+  ScheduleSettings set;
+  set.warmup = 2 + rng() % 30;
+  set.period = 1 + rng() % 25;
+  set.window = 1 + rng() % set.period;
+  set.switch_lag = 1 + rng() % (set.period + 1 - set.window);
+  if (lead) set.probe_lead = rng() % 30;
+  return set;
+}
+
 BOOST_AUTO_TEST_CASE(defaults_measure_the_last_ten_steps_of_each_period) {
   const Schedule s(ScheduleSettings{});
   std::vector<uint64_t> measured, ends;
@@ -37,11 +48,7 @@ BOOST_AUTO_TEST_CASE(defaults_measure_the_last_ten_steps_of_each_period) {
 BOOST_AUTO_TEST_CASE(random_settings_keep_every_rule) {
   std::mt19937_64 rng(test::run_seed());
   for (int i = 0; i < 300; ++i) {
-    ScheduleSettings set;
-    set.warmup = 2 + rng() % 30;
-    set.period = 1 + rng() % 25;
-    set.window = 1 + rng() % set.period;
-    set.switch_lag = 1 + rng() % (set.period + 1 - set.window);
+    const ScheduleSettings set = random_settings(rng, false);
     const Schedule s(set);
     BOOST_TEST_CONTEXT("warmup " << set.warmup << " period " << set.period << " window " << set.window << " lag "
                                  << set.switch_lag) {
@@ -79,12 +86,7 @@ BOOST_AUTO_TEST_CASE(random_settings_keep_every_rule) {
 BOOST_AUTO_TEST_CASE(the_probe_runs_in_each_window_and_its_lead) {
   std::mt19937_64 rng(test::run_seed());
   for (int i = 0; i < 200; ++i) {
-    ScheduleSettings set;
-    set.warmup = 2 + rng() % 30;
-    set.period = 1 + rng() % 25;
-    set.window = 1 + rng() % set.period;
-    set.switch_lag = 1 + rng() % (set.period + 1 - set.window);
-    set.probe_lead = rng() % 30;
+    const ScheduleSettings set = random_settings(rng, true);
     const Schedule s(set);
     BOOST_TEST_CONTEXT("warmup " << set.warmup << " period " << set.period << " window " << set.window << " lead "
                                  << set.probe_lead) {
@@ -111,12 +113,7 @@ BOOST_AUTO_TEST_CASE(the_probe_runs_in_each_window_and_its_lead) {
 BOOST_AUTO_TEST_CASE(the_shadow_age_counts_the_probe_steps_since_step_1) {
   std::mt19937_64 rng(test::run_seed());
   for (int i = 0; i < 200; ++i) {
-    ScheduleSettings set;
-    set.warmup = 2 + rng() % 30;
-    set.period = 1 + rng() % 25;
-    set.window = 1 + rng() % set.period;
-    set.switch_lag = 1 + rng() % (set.period + 1 - set.window);
-    set.probe_lead = rng() % 30;
+    const ScheduleSettings set = random_settings(rng, true);
     const Schedule s(set);
     BOOST_TEST_CONTEXT("warmup " << set.warmup << " period " << set.period << " window " << set.window << " lead "
                                  << set.probe_lead) {
