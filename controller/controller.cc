@@ -269,16 +269,20 @@ double Controller::window_middle(uint64_t last) const {
 
 std::vector<double> Controller::drift_of(const ErrorStats& stats, uint64_t window_last) const {
   std::vector<double> drift(layers_.size(), 1.0);
-  if (last_middle_ <= 0) return drift;
+  // Compared with the window before; the first window, with its lead's steps (the
+  // engine measures the magnitude there), if it had any.
+  const bool first = last_middle_ <= 0;
+  const double before_middle = first ? schedule_.first_lead_middle() : last_middle_;
   const ScheduleSettings& s = settings_.schedule;
   const double now = window_middle(window_last);
+  if (!(before_middle > 0) || !(before_middle < now)) return drift;
   const double epoch = static_cast<double>(window_last) + 1 + static_cast<double>(s.switch_lag) +
                        (static_cast<double>(s.period) - 1) / 2;
   // The gradient's scale as a power of the step: its exponent from the last two windows,
   // carried on to the epoch's middle.
-  const double h = std::log(epoch / now) / std::log(now / last_middle_);
+  const double h = std::log(epoch / now) / std::log(now / before_middle);
   for (size_t l = 0; l < layers_.size(); ++l) {
-    const double m = stats.magnitude_mean(l), before = last_magnitude_[l];
+    const double m = stats.magnitude_mean(l), before = first ? stats.lead_magnitude_mean(l) : last_magnitude_[l];
     const double energy_ratio = (m / before) * (m / before);
     if (m > 0 && before > 0 && std::isfinite(energy_ratio)) drift[l] = std::pow(std::clamp(energy_ratio, 0.125, 8.0), h);
   }

@@ -38,6 +38,8 @@
 // the usual shape of gradient-norm and loss curves: with windows centred at t0 and t1 and
 // the epoch the assignment runs centred at t2, every error of a layer is multiplied by
 // ((m1 / m0)^2)^h, h = log(t2 / t1) / log(t1 / t0), the squared ratio kept in [1/8, 8].
+// The first window has none before it: its lead's steps (the probe's, before it), where
+// the engine measures the magnitude alone (ErrorStats::add_lead), stand in.
 // A power law slows down as t grows, so it extrapolates less than a constant rate would:
 // the safe side too when a job resumes from a checkpoint and the steps restart.
 //

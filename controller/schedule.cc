@@ -29,6 +29,17 @@ bool Schedule::probes(uint64_t step) const {
   return step + s.probe_lead >= first;
 }
 
+bool Schedule::leads_first_window(uint64_t step) const {
+  return step >= 1 && step < settings_.warmup && probes(step) && !measures(step);
+}
+
+double Schedule::first_lead_middle() const {
+  double sum = 0, n = 0;
+  for (uint64_t step = 1; step < settings_.warmup; ++step)
+    if (leads_first_window(step)) sum += static_cast<double>(step) + 1, n += 1;
+  return n > 0 ? sum / n : 0.0;
+}
+
 uint64_t Schedule::probe_steps_through(uint64_t step) const {
   const ScheduleSettings& s = settings_;
   // Window k ends at last_k = warmup - 1 + k period; the steps after last_{k-1} up to

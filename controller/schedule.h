@@ -44,6 +44,13 @@ class Schedule {
   bool measures(uint64_t step) const;
   // Whether the error probe runs at this step: a window's steps and the probe_lead before.
   bool probes(uint64_t step) const;
+  // Whether this step is in the first window's lead: a probe step before the first window
+  // (from step 1). The engine measures the gradient's magnitude there, for the first
+  // solve's drift.
+  bool leads_first_window(uint64_t step) const;
+  // The middle of those steps, counted from 1 as Controller's window middles are; 0 when
+  // there are none (no lead, or a first window that starts at step 1).
+  double first_lead_middle() const;
   // How many probe steps there are in 1..step (step 0 never probes: the engine's buckets
   // are not built yet). The error probe's shadow residuals run from the first probe step
   // on and persist, so this is their age, in steps of gradient seen, after `step`.

@@ -35,7 +35,8 @@ ErrorStats::ErrorStats(std::vector<uint32_t> candidates_per_layer, ErrorMetric m
   current_ = 3 * first_.back();
   realized_ = 4 * first_.back();
   magnitude_ = realized_ + layers();
-  samples_offset_ = magnitude_ + layers();
+  lead_ = magnitude_ + layers();  // lead magnitude sums, then the lead's counts
+  samples_offset_ = lead_ + 2 * layers();
   data_.assign(samples_offset_ + 2 * layers(), 0.0);
   scale_.assign(layers(), 1.0);
 }
@@ -74,6 +75,16 @@ bool ErrorStats::add(size_t layer, const Sample& s) {
   data_[realized_ + layer] += metric(s.realized);
   data_[magnitude_ + layer] += s.magnitude;
   if (s.counted) data_[samples_offset_ + layer] += 1;
+  return true;
+}
+
+bool ErrorStats::add_lead(size_t layer, double magnitude, bool counted) {
+  if (layer >= layers())
+    throw std::invalid_argument("ErrorStats::add_lead: layer " + std::to_string(layer) + " of " +
+                                std::to_string(layers()));
+  if (!std::isfinite(magnitude) || magnitude < 0) return false;
+  data_[lead_ + layer] += magnitude;
+  if (counted) data_[lead_ + layers() + layer] += 1;
   return true;
 }
 
@@ -120,6 +131,11 @@ double ErrorStats::measured_mean(size_t layer, uint32_t candidate) const {
 double ErrorStats::magnitude_mean(size_t layer) const {
   const double n = data_[samples_offset_ + layer];
   return n > 0 ? data_[magnitude_ + layer] / n : 0.0;
+}
+
+double ErrorStats::lead_magnitude_mean(size_t layer) const {
+  const double n = data_[lead_ + layers() + layer];
+  return n > 0 ? data_[lead_ + layer] / n : 0.0;
 }
 
 double ErrorStats::realized_mean(size_t layer, uint32_t in_effect) const {

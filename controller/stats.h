@@ -72,6 +72,12 @@ class ErrorStats {
     return add(layer, s);
   }
 
+  // The gradient's sum of |g| at a step of the first window's lead (the probe steps
+  // before it; controller/schedule.h), for the first solve's drift, which has no window
+  // before it. A share, counted or not, as in add(). Returns false (and adds nothing)
+  // for a negative or non-finite value.
+  bool add_lead(size_t layer, double magnitude, bool counted);
+
   // numel / sampled values of a layer's probe sample (1 by default): not part of the
   // reduction; every rank sets the same.
   void set_sample_scale(size_t layer, double scale);
@@ -106,11 +112,13 @@ class ErrorStats {
 
   // The gradient's sum of |g| per step (summed over ranks); 0 without samples.
   double magnitude_mean(size_t layer) const;
+  // The same over the lead's steps (add_lead); 0 without any.
+  double lead_magnitude_mean(size_t layer) const;
 
   // The accumulator's state as one flat array of doubles: the measured, simulated,
-  // reference and current sums per candidate, the realized and magnitude sums, the sample
-  // counts and the skipped counts per layer. Summing these elementwise across ranks
-  // (counts stay exact below 2^53) is the whole aggregation.
+  // reference and current sums per candidate; per layer the realized, magnitude and lead
+  // magnitude sums, the lead's counts, the sample counts and the skipped counts. Summing
+  // these elementwise across ranks (counts stay exact below 2^53) is the whole aggregation.
   std::span<double> reduction_buffer() { return data_; }
   std::span<const double> reduction_buffer() const { return data_; }
 
@@ -118,7 +126,7 @@ class ErrorStats {
   std::vector<uint32_t> first_;  // candidate sums of layer l start at first_[l]
   ErrorMetric metric_;
   std::vector<double> data_;
-  size_t simulated_ = 0, reference_ = 0, current_ = 0, realized_ = 0, magnitude_ = 0, samples_offset_ = 0;
+  size_t simulated_ = 0, reference_ = 0, current_ = 0, realized_ = 0, magnitude_ = 0, lead_ = 0, samples_offset_ = 0;
   // The scale from the sample to the whole layer of candidate c's measurements.
   double content_ratio(size_t layer, uint32_t candidate) const;
   std::vector<double> scale_;  // per layer

@@ -198,6 +198,7 @@ struct Engine::Sample {
   Backend::Measure measure;      // where the backend adds this call's whole-layer errors
   ProbeOutput probe;             // where the error probe writes
   double* magnitude = nullptr;   // where the layers' magnitude goes
+  bool lead = false;             // a step of the first window's lead: the magnitude alone
 
   struct Layout {
     uint64_t measured = 0, simulated, reference, current, realized, nonfinite, simulated_nonfinite,
@@ -806,7 +807,11 @@ CallOutcome Engine::run(const EngineCall& call) {
     if (b.owner_residual) backend_.fill_zero(b.owner_residual->data(), b.owner_residual->bytes());
   }
   const bool measuring = controller_ && controller_->schedule().measures(call.step);
-  Sample* sample = measuring ? begin_sample(b, call) : nullptr;
+  // Before the first window, its lead's steps measure the gradient's magnitude alone: the
+  // first solve's drift has no window before it to compare with.
+  const bool leading = controller_ && !measuring && controller_->schedule().leads_first_window(call.step);
+  Sample* sample = measuring || leading ? begin_sample(b, call) : nullptr;
+  if (sample) sample->lead = leading;
   CallTiming timing;
   timing.in_window = measuring;
   timing.quant_elements = b.quant_elements;
@@ -814,8 +819,11 @@ CallOutcome Engine::run(const EngineCall& call) {
 
   // The error probe first, while the residuals still hold what this call adds to its input.
   const bool probing = b.probe && controller_->schedule().probes(call.step);
-  if (probing) probe_step(b, call, sample);
-  if (sample) {
+  if (probing) probe_step(b, call, leading ? nullptr : sample);
+  if (sample && leading) {
+    backend_.distance(b.whole.segments, ElementSpan{const_cast<void*>(call.send), call.dtype, 0}, nullptr, 1, 1.0,
+                      sample->magnitude, sample->measure.nonfinite);
+  } else if (sample) {
     measure_lowrank(b, call, *sample);
     measure_whole_layers(b, call, *sample);
   }
@@ -826,7 +834,7 @@ CallOutcome Engine::run(const EngineCall& call) {
     if (b.plan.total_bytes > 0) reduce_scatter_allgather(b, call, timing);
   }
   if (!b.lowrank.empty()) low_rank(b, call, timing);
-  if (probing && sample)
+  if (probing && sample && !leading)
     b.probe->realized(backend_, ElementSpan{call.recv, call.dtype, 0}, call.count, probe_buffers(), sample->probe);
   // A bucket of nothing runs no operation; its timing still needs a mark to be resolved by.
   if (timing.codecs == 0 && timing.exchanges == 0) {
@@ -931,6 +939,10 @@ void Engine::collect_samples(bool wait) {
       // Every rank measured its part of the whole layer; the probe's rank for the layer also
       // simulated and measured its sample, and counts the sample.
       const bool mine = b.probe && b.probe->designated(static_cast<uint32_t>(l)) == fabric_.rank();
+      if (s.lead) {  // the magnitude alone; an overflowed step adds nothing
+        if (host[at.nonfinite + l] == 0) stats_->add_lead(static_cast<size_t>(k), magnitude[l], !b.probe || mine);
+        continue;
+      }
       bool bad = host[at.nonfinite + l] != 0;
       for (auto& v : values) v.clear();
       for (uint32_t column : b.columns[l]) {

@@ -388,6 +388,43 @@ BOOST_AUTO_TEST_CASE(topk_predictions_follow_the_residuals_growth) {
   }
 }
 
+// The first solve has no window before it: its drift compares the window's magnitude
+// with its lead's (Schedule::first_lead_middle), as a power of the step carried to the
+// epoch's middle; without lead magnitudes none.
+BOOST_AUTO_TEST_CASE(the_first_solve_takes_its_drift_from_the_windows_lead) {
+  const auto layers = make_layers(3);
+  ControllerSettings settings = small_schedule(20, 10, 4, 2);
+  settings.schedule.probe_lead = 6;  // lead 10..15, window 16..19, epoch 21..30
+  for (bool lead : {true, false}) {
+    Controller controller(settings, layers);
+    ErrorStats stats = controller.new_stats();
+    std::mt19937_64 rng(test::run_seed());
+    const std::vector<double> before = {100, 50, 10, 1}, now = {80, 55, 10, 1};  // per layer
+    for (uint64_t step = 10; step < 20; ++step) {
+      if (controller.schedule().leads_first_window(step) && lead)
+        for (size_t l = 0; l < layers.size(); ++l) stats.add_lead(l, before[l], true);
+      if (!controller.schedule().measures(step)) continue;
+      for (size_t l = 0; l < layers.size(); ++l) {
+        std::vector<double> e(layers[l].candidates.size(), 1.0);
+        ErrorStats::Sample sample;
+        sample.measured = e;
+        sample.magnitude = now[l];
+        stats.add(l, sample);
+      }
+    }
+    controller.submit(19, stats);
+    const auto a = controller.assignment_for_step(21);
+    BOOST_TEST_REQUIRE(a->epoch == 1u);
+    BOOST_TEST_REQUIRE(a->drift.size() == layers.size());
+    const double t0 = 13.5, t1 = 18.5, t2 = 20 + 2 + 4.5;  // counted from 1
+    const double h = std::log(t2 / t1) / std::log(t1 / t0);
+    for (size_t l = 0; l < layers.size(); ++l) {
+      const double want = lead ? std::pow((now[l] / before[l]) * (now[l] / before[l]), h) : 1.0;
+      BOOST_TEST(a->drift[l] == want, boost::test_tools::tolerance(1e-12));
+    }
+  }
+}
+
 // A solver that blocks until released, to stand for a slow solve.
 struct GatedSolver {
   std::promise<void> gate;

@@ -813,6 +813,60 @@ BOOST_AUTO_TEST_CASE(measured_errors_are_the_output_errors) {
     }
 }
 
+// The first window has no window before it to give the first solve a drift; the probe
+// steps before it (its lead) measure the gradient's magnitude alone, on every rank alike.
+// Each rank's gradient here is one fixed vector times a per-step factor, so the lead's
+// mean magnitude over the window's is the factors' mean ratio; the lead adds no error
+// sample.
+BOOST_AUTO_TEST_CASE(the_first_windows_lead_measures_the_gradients_magnitude) {
+  const uint64_t seed = test::run_seed();
+  std::vector<CodecSpec> candidates;
+  for (int bits = 2; bits <= 8; ++bits) candidates.push_back(quant(bits));
+  const std::vector<double> factor = {5.0, 1.7, 1.5, 1.3, 1.1, 0.8, 0.6};  // steps 0..6
+  for (Algorithm algorithm : {Algorithm::kScatterReduceAllGather, Algorithm::kAllGather}) {
+    const int ranks = 3;
+    BucketLayout bucket;
+    for (uint64_t size : {50000u, 70000u}) {
+      bucket.layers.push_back({"layer" + std::to_string(bucket.layers.size()), bucket.count, size, candidates, 2});
+      bucket.count += size;
+    }
+    auto hub = std::make_shared<InProcHub>(ranks, 10000ms);
+    std::optional<controller::ErrorStats> stats;
+    std::vector<std::thread> threads;
+    for (int r = 0; r < ranks; ++r)
+      threads.emplace_back([&, r] {
+        InProcFabric fabric(hub, r);
+        CpuBackend backend;
+        EngineOptions o;
+        o.codec = quant(4);
+        o.candidates = candidates;
+        o.algorithm = algorithm;
+        o.parameters_text = "lead";
+        // Window 4..5 (submitted at step 5), its lead 1..3 (never step 0).
+        o.controller.schedule = {6, 100, 2, 2, 3};
+        Engine engine(o, {bucket}, fabric, backend);
+        std::mt19937_64 rng(seed ^ (uint64_t(r) << 40));
+        const std::vector<float> base = test::draw(test::Dist::kHeavyTailed, bucket.count, rng);
+        for (uint64_t step = 0; step < factor.size(); ++step) {
+          std::vector<float> x(base.size()), y(base.size());
+          for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(base[i] * factor[step]);
+          engine.allreduce({0, step, x.data(), y.data(), bucket.count, DType::kFloat32, ReduceOp::kSum});
+        }
+        if (r == 0) stats = engine.last_window_stats();
+      });
+    for (auto& t : threads) t.join();
+    BOOST_TEST_REQUIRE(stats.has_value());
+    for (size_t l = 0; l < 2; ++l)
+      BOOST_TEST_CONTEXT(algorithm_name(algorithm) << " layer " << l) {
+        BOOST_TEST(stats->samples(l) == 2u);  // the window's steps alone
+        BOOST_TEST(stats->lead_magnitude_mean(l) > 0);
+        const double lead = (factor[1] + factor[2] + factor[3]) / 3, window = (factor[4] + factor[5]) / 2;
+        BOOST_TEST(stats->lead_magnitude_mean(l) / stats->magnitude_mean(l) == lead / window,
+                   boost::test_tools::tolerance(1e-5));
+      }
+  }
+}
+
 // The error budget holds as measured (docs/CONTROLLER.md): over several epochs, with error
 // feedback, on layers whose gradients differ in scale (four decades) and tails (normal,
 // Laplace, Student's t with 4 degrees of freedom), lgreco's compression error (output

@@ -124,6 +124,14 @@ BOOST_AUTO_TEST_CASE(the_shadow_age_counts_the_probe_steps_since_step_1) {
         through.push_back(count);
         BOOST_TEST(s.probe_steps_through(step) == count, "step " << step);
       }
+      // The first window's lead: the probe steps from 1 before it.
+      double lead_sum = 0, lead_n = 0;
+      for (uint64_t step = 0; step < 300; ++step) {
+        const bool want = step >= 1 && step < set.warmup && s.probes(step) && !s.measures(step);
+        BOOST_TEST(s.leads_first_window(step) == want, "step " << step);
+        if (want) lead_sum += static_cast<double>(step) + 1, lead_n += 1;
+      }
+      BOOST_TEST(s.first_lead_middle() == (lead_n > 0 ? lead_sum / lead_n : 0.0));
       for (uint64_t end = 1; end < 300; ++end) {
         if (!s.window_ends(end)) continue;
         double sum = 0, n = 0;
@@ -134,6 +142,7 @@ BOOST_AUTO_TEST_CASE(the_shadow_age_counts_the_probe_steps_since_step_1) {
     }
   }
   const Schedule defaults(ScheduleSettings{});
+  BOOST_TEST(defaults.first_lead_middle() == 85.5);  // steps 80..89, counted from 1
   BOOST_TEST(defaults.shadow_age(99) == 15.5);   // probes 80..99, window 90..99
   BOOST_TEST(defaults.shadow_age(199) == 35.5);  // and 180..199
 }
@@ -246,6 +255,28 @@ BOOST_AUTO_TEST_CASE(estimates_combine_the_measurements) {
   BOOST_TEST(s.skipped(0) == 1u);
   BOOST_TEST(s.samples(0) == 1u);
   BOOST_CHECK_THROW(s.set_sample_scale(0, 0.5), std::invalid_argument);
+}
+
+// The first window's lead: magnitudes alone, shares that another rank counts adding
+// without counting, non-finite ones refused; summed across ranks like the rest.
+BOOST_AUTO_TEST_CASE(lead_magnitudes_are_summed_and_counted_apart) {
+  ErrorStats s({2, 1}, controller::ErrorMetric::kSquaredL2);
+  BOOST_TEST(s.lead_magnitude_mean(0) == 0.0);
+  BOOST_TEST(s.add_lead(0, 12, true));
+  BOOST_TEST(s.add_lead(0, 4, false));
+  BOOST_TEST(s.add_lead(0, 8, true));
+  BOOST_TEST(!s.add_lead(0, std::nan(""), true));
+  BOOST_TEST(!s.add_lead(0, -1, true));
+  BOOST_TEST(s.lead_magnitude_mean(0) == 12.0);  // (12 + 4 + 8) / 2 counted
+  BOOST_TEST(s.lead_magnitude_mean(1) == 0.0);
+  BOOST_TEST(s.samples(0) == 0u);  // not error samples
+  BOOST_TEST(s.magnitude_mean(0) == 0.0);
+  ErrorStats other = s;
+  other.merge(s);
+  BOOST_TEST(other.lead_magnitude_mean(0) == 12.0);
+  s.clear();
+  BOOST_TEST(s.lead_magnitude_mean(0) == 0.0);
+  BOOST_CHECK_THROW(s.add_lead(2, 1, true), std::invalid_argument);
 }
 
 BOOST_AUTO_TEST_CASE(overflowed_samples_are_skipped_and_counted) {
