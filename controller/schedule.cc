@@ -60,9 +60,10 @@ uint64_t Schedule::probe_steps_through(uint64_t step) const {
 
 double Schedule::shadow_age(uint64_t window_last_step) const {
   const ScheduleSettings& s = settings_;
+  // The window's steps, clipped to 1.. as the first window is.
   const uint64_t first = window_last_step + 1 > s.window ? window_last_step + 1 - s.window : 1;
-  const uint64_t steps = window_last_step >= std::max<uint64_t>(first, 1) ? window_last_step - std::max<uint64_t>(first, 1) + 1 : 0;
-  if (steps == 0) return 0;
+  if (window_last_step < first) return 0;
+  const uint64_t steps = window_last_step - first + 1;
   // Every window step probes, so the ages over the window rise by one per step.
   return static_cast<double>(probe_steps_through(window_last_step)) - (static_cast<double>(steps) - 1) / 2;
 }

@@ -821,8 +821,7 @@ CallOutcome Engine::run(const EngineCall& call) {
   const bool probing = b.probe && controller_->schedule().probes(call.step);
   if (probing) probe_step(b, call, leading ? nullptr : sample);
   if (sample && leading) {
-    backend_.distance(b.whole.segments, ElementSpan{const_cast<void*>(call.send), call.dtype, 0}, nullptr, 1, 1.0,
-                      sample->magnitude, sample->measure.nonfinite);
+    measure_magnitude(b, call, *sample);
   } else if (sample) {
     measure_lowrank(b, call, *sample);
     measure_whole_layers(b, call, *sample);
@@ -1069,6 +1068,12 @@ void Engine::measure_whole_layers(BucketState& b, const EngineCall& call, Sample
   Backend::Measure m = first_stage_measure(sample, call.op);
   if (lowrank_candidates_any()) m.candidate_mask = not_lowrank_candidates_;
   backend_.measure(b.whole, b.whole.segments, input, nullptr, 0, m);
+  measure_magnitude(b, call, sample);
+}
+
+// Each layer's gradient magnitude sum |g| on this rank, for the drift.
+void Engine::measure_magnitude(BucketState& b, const EngineCall& call, Sample& sample) {
+  const ElementSpan input{const_cast<void*>(call.send), call.dtype, 0};
   backend_.distance(b.whole.segments, input, nullptr, 1, 1.0, sample.magnitude, sample.measure.nonfinite);
 }
 

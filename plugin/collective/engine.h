@@ -190,6 +190,7 @@ class Engine {
   void probe_step(BucketState& b, const EngineCall& call, Sample* sample);
   void all_gather(const Plan& plan, BucketState& b, const EngineCall& call, CallTiming& timing);
   void measure_whole_layers(BucketState& b, const EngineCall& call, Sample& sample);
+  void measure_magnitude(BucketState& b, const EngineCall& call, Sample& sample);
   void measure_lowrank(BucketState& b, const EngineCall& call, Sample& sample);
   void low_rank(BucketState& b, const EngineCall& call, CallTiming& timing);
   void switch_lowrank(uint32_t bucket, std::span<const uint8_t> lowrank_layers);
