@@ -6,13 +6,13 @@
 #include <cerrno>
 #include <chrono>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <stdexcept>
 
 #include "config/log.h"
 #include "controller/problem_json.h"
+#include "kernels/codec_spec.h"
 
 namespace lgreco::controller {
 
@@ -38,11 +38,9 @@ std::vector<Layer> validated(std::vector<Layer> layers, const ControllerSettings
   return std::move(p.layers);
 }
 
-// 2^bits - 1 of a quantizer's spec (3 without a width: the narrowest, the slow side).
+// 2^bits - 1 of a quantizer's spec (the layers' specs were validated when they were built).
 double quant_levels(std::string_view spec) {
-  const size_t at = spec.find("bits=");
-  const unsigned bits = at == std::string_view::npos ? 2 : static_cast<unsigned>(std::strtoul(std::string(spec.substr(at + 5)).c_str(), nullptr, 10));
-  return std::ldexp(1.0, static_cast<int>(std::clamp(bits, 2u, 16u))) - 1;
+  return std::ldexp(1.0, CodecSpec::parse(spec).quant_params().bits) - 1;
 }
 
 // The mean over n steps from step a of an error relaxing geometrically from `now` to
@@ -79,18 +77,22 @@ struct TopkGrowth {
       const double r = (lo + hi) / 2;
       ((1 - std::pow(r, age)) / (1 - r) < ratio ? lo : hi) = r;
     }
-    rate = lo, geometric = true;
+    rate = std::max(lo, 1e-12), geometric = true;
     slope = age * -std::log(rate) * std::pow(rate, age) / (1 - std::pow(rate, age));
   }
+  // Past the shadow's age the curve hardly rises: the codec has settled, and a state that
+  // holds more than its shadow is not on the curve (the power law's inverse overflows).
+  bool flat() const { return slope < 1e-3; }
   double at(double k) const {
     if (geometric && k <= age) return fresh * (1 - std::pow(rate, k)) / (1 - rate);
     return steady * std::pow(k / age, slope);
   }
-  // The age at which it makes `error` (at least 1).
+  // The age at which it makes `error` (at least 1, at most e^40).
   double age_of(double error) const {
     if (error <= fresh) return 1;
     if (geometric && error <= steady) return std::max(1.0, std::log(1 - error * (1 - rate) / fresh) / std::log(rate));
-    return std::max(1.0, age * std::pow(error / steady, 1 / std::max(slope, 1e-3)));
+    // Not flat(); bounded all the same (e^40 steps: beyond any run), so that at() is finite.
+    return std::clamp(age * std::pow(error / steady, 1 / slope), 1.0, std::exp(40.0));
   }
 };
 
@@ -322,6 +324,8 @@ double Controller::mean_error(const Transient& x, uint64_t first, uint64_t count
       // From a state older than its own (a sparser codec's): the excess drains at the
       // rate of the codec's own saturation.
       return relaxed_mean(x.steady, x.now, growth.rate, a, n);
+    // Settled, with a state above its own: it keeps what it holds.
+    if (growth.flat() && x.now > growth.steady) return x.now;
     // From the real state's age, as its error says, on along the growth curve.
     const double k0 = growth.age_of(x.now) + x.ageing;
     // The mean over the steps (at most 256 of them, evenly spread: a smooth curve).

@@ -425,6 +425,35 @@ BOOST_AUTO_TEST_CASE(the_first_solve_takes_its_drift_from_the_windows_lead) {
   }
 }
 
+// A TopK layer whose shadow has settled (its error barely above the gradient alone's)
+// while its real state holds far more: the growth curve is flat past the shadow's age and
+// cannot reach the state's error. The prediction must stay finite (it overflowed to inf,
+// and the solve failed), and be the state's error: a settled TopK keeps what it holds.
+BOOST_AUTO_TEST_CASE(a_settled_topk_layer_is_predicted_at_its_real_state) {
+  Layer layer{"w", 8192, 0, {}};
+  for (double d : {0.01, 0.001})
+    layer.candidates.push_back({"topk:density=" + std::to_string(d), static_cast<uint64_t>(8 * d * 8192), 0});
+  ControllerSettings settings = small_schedule(20, 10, 4, 2);
+  settings.schedule.probe_lead = 6;
+  settings.budget_loop = false;
+  Controller controller(settings, {layer});
+  ErrorStats stats = controller.new_stats();
+  const std::vector<double> fresh = {1.0, 2.0}, shadow = {1.0001, 2.0002}, current = {50.0, 60.0};
+  for (uint64_t step = 16; step < 20; ++step) {
+    ErrorStats::Sample sample;
+    sample.measured = fresh, sample.reference = fresh, sample.simulated = shadow, sample.current = current;
+    sample.realized = 50.0, sample.magnitude = 100;
+    stats.add(0, sample);
+  }
+  controller.submit(19, stats);
+  const auto a = controller.assignment_for_step(21);
+  BOOST_TEST(controller.counters().failed_solves == 0u);
+  BOOST_TEST_REQUIRE(a->epoch == 1u);
+  BOOST_TEST_REQUIRE(a->predicted.size() == 1u);
+  BOOST_TEST(std::isfinite(a->predicted[0]));
+  if (a->choices[0] == 0) BOOST_TEST(a->predicted[0] == 50.0, boost::test_tools::tolerance(0.01));
+}
+
 // A solver that blocks until released, to stand for a slow solve.
 struct GatedSolver {
   std::promise<void> gate;
