@@ -259,8 +259,13 @@ void Controller::update_loop(const WindowReading& r) {
       target = alpha / bias_;
     }
   }
-  // Down at once, up by at most 1% per window.
-  alpha_eff_ = std::clamp(target < before ? target : std::min(target, before * kRise), alpha / kMaxBias, alpha);
+  // Down at once; up by at most half the window's headroom (in ratio: sqrt(budget /
+  // realized)), and at least 1% per window. A rise into error that the model does not
+  // see (a narrow codec it under-predicts) is then bounded by what the window left
+  // unused; one all the way back to alpha / B at once would overspend and swing.
+  double rise = kRise;
+  if (r.budget > 0 && r.realized > 0 && r.realized < r.budget) rise = std::max(rise, std::sqrt(r.budget / r.realized));
+  alpha_eff_ = std::clamp(target < before ? target : std::min(target, before * rise), alpha / kMaxBias, alpha);
 }
 
 // The middle of the window ending at `last`, and of the epoch whose assignment it solves,
