@@ -989,8 +989,11 @@ BOOST_AUTO_TEST_CASE(with_helper_threads_bytes_move_without_test) {
   const int tag = 5;
   Request* r = pair.recv->irecv(1, &buffer, &capacity, &tag);
   Request* s = pair.send->isend(out.data(), out.size(), tag);
-  // Nobody calls test(): the threads move every byte.
+  // Nobody calls test(): the threads move every byte. The two sides complete independently:
+  // the receiver can hold every byte while the sender's thread has yet to mark its request
+  // done (a race seen in CI), so wait for both.
   BOOST_TEST(eventually([&] { return pair.recv->counters().messages == 1; }, 10000ms));
+  BOOST_TEST(eventually([&] { return pair.send->counters().messages == 1; }, 10000ms));
   BOOST_TEST(pair.recv->counters().payload_bytes == out.size());
   bool done = false;
   uint64_t size = 0;
