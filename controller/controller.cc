@@ -328,18 +328,18 @@ double Controller::mean_error(const Transient& x, uint64_t first, uint64_t count
     if (x.ageing == 0 && x.now > x.steady && growth.rate < 1)
       // From a state older than its own (a sparser codec's): the excess drains at the
       // rate of the codec's own saturation.
-      return relaxed_mean(x.steady, x.now, growth.rate, a, n);
+      return x.correlation * relaxed_mean(x.steady, x.now, growth.rate, a, n);
     // Settled, with a state above its own: it keeps what it holds.
-    if (growth.flat() && x.now > growth.steady) return x.now;
+    if (growth.flat() && x.now > growth.steady) return x.correlation * x.now;
     // From the real state's age, as its error says, on along the growth curve.
     const double k0 = growth.age_of(x.now) + x.ageing;
     // The mean over the steps (at most 256 of them, evenly spread: a smooth curve).
     const double points = std::min(n, 256.0);
     double sum = 0;
     for (double j = 0; j < points; ++j) sum += growth.at(k0 + a + (j + 0.5) * n / points - 0.5);
-    return sum / points;
+    return x.correlation * sum / points;
   }
-  if (!(x.steady > 0) || !(x.now > 0) || x.steady == x.now) return x.steady;
+  if (!(x.steady > 0) || !(x.now > 0) || x.steady == x.now) return x.correlation * x.steady;
   double rate = std::min(0.8, 1 - std::sqrt(std::min(x.steady, x.now) / std::max(x.steady, x.now)));
   // From the residual of a codec that holds values back (TopK's, PowerSGD's), which can
   // be many times the gradient: a quantizer sends it all at once, and what its own error
@@ -363,13 +363,21 @@ Controller::Transient Controller::transient_of(const Job& job, size_t layer, uin
   if (in_effect == candidate) x.ageing = static_cast<double>(s.switch_lag) + (static_cast<double>(s.window) - 1) / 2;
   // `current` and `measured` weigh the ranks' errors as independent; TopK's are not (the
   // ranks drop values of the same large coordinates, and their residuals pile up alike:
-  // measured on the demo, the output's error 1.4-2.3x the independent sum). Where TopK
-  // is in effect, the realized error is that codec's error on the real state as the
-  // output has it, and its ratio to `current` scales the layer's TopK candidates; on
-  // layers not at TopK, the ratio over the layers that are (none: 1).
+  // measured on the demo, the output's error 1.4-2.3x the independent sum). The shadows'
+  // error, `steady`, is the output's. So the growth curve is drawn in independent units
+  // (the shadows' error weighed so too) and the output's correlation, the shadows' ratio
+  // of the two, scales the whole curve: the real state's place on the curve is where its
+  // independent error says. (With the correlation on `now` alone, placed on a curve
+  // whose top held it but whose start did not, TopK's layers realized 1.05-1.33 of their
+  // prediction after the first epoch and 0.52-0.90 in it.) Without shadows, the realized
+  // error over `current` of the layers at TopK (none: 1).
   if (codec_family(x.codec) == "topk") {
-    const double c = topk_correlation(stats, layer);
-    x.now *= c;
+    if (const double c = stats.shadow_correlation(layer, candidate); c > 0) {
+      x.correlation = c;
+      x.steady /= c;
+    } else {
+      x.correlation = topk_correlation(stats, layer);
+    }
   }
   return x;
 }

@@ -33,7 +33,8 @@ ErrorStats::ErrorStats(std::vector<uint32_t> candidates_per_layer, ErrorMetric m
   simulated_ = first_.back();
   reference_ = 2 * first_.back();
   current_ = 3 * first_.back();
-  realized_ = 4 * first_.back();
+  independent_ = 4 * first_.back();
+  realized_ = 5 * first_.back();
   magnitude_ = realized_ + layers();
   lead_ = magnitude_ + layers();  // lead magnitude sums, then the lead's counts
   samples_offset_ = lead_ + 2 * layers();
@@ -53,15 +54,17 @@ bool ErrorStats::add(size_t layer, const Sample& s) {
     throw std::invalid_argument("ErrorStats::add: layer " + std::to_string(layer) + " of " + std::to_string(layers()));
   const uint32_t n = candidates(layer);
   const auto fits = [n](std::span<const double> v) { return v.empty() || v.size() == n; };
-  if (s.measured.size() != n || !fits(s.simulated) || !fits(s.reference) || !fits(s.current))
+  if (s.measured.size() != n || !fits(s.simulated) || !fits(s.reference) || !fits(s.current) ||
+      !fits(s.simulated_independent))
     throw std::invalid_argument("ErrorStats::add: layer " + std::to_string(layer) + " measures " + std::to_string(n) +
                                 " candidates, got " + std::to_string(s.measured.size()) + ", " +
                                 std::to_string(s.simulated.size()) + ", " + std::to_string(s.reference.size()) +
-                                ", " + std::to_string(s.current.size()));
+                                ", " + std::to_string(s.current.size()) + ", " +
+                                std::to_string(s.simulated_independent.size()));
   const auto finite = [](double e) { return std::isfinite(e) && e >= 0; };
   const auto all_finite = [&](std::span<const double> v) { return std::all_of(v.begin(), v.end(), finite); };
   if (!all_finite(s.measured) || !all_finite(s.simulated) || !all_finite(s.reference) || !all_finite(s.current) ||
-      !finite(s.realized) || !finite(s.magnitude)) {
+      !all_finite(s.simulated_independent) || !finite(s.realized) || !finite(s.magnitude)) {
     data_[samples_offset_ + layers() + layer] += 1;
     return false;
   }
@@ -71,6 +74,8 @@ bool ErrorStats::add(size_t layer, const Sample& s) {
     if (!s.simulated.empty()) data_[simulated_ + first_[layer] + c] += metric(s.simulated[c]);
     if (!s.reference.empty()) data_[reference_ + first_[layer] + c] += metric(s.reference[c]);
     if (!s.current.empty()) data_[current_ + first_[layer] + c] += metric(s.current[c]);
+    if (!s.simulated_independent.empty())
+      data_[independent_ + first_[layer] + c] += metric(s.simulated_independent[c]);
   }
   data_[realized_ + layer] += metric(s.realized);
   data_[magnitude_ + layer] += s.magnitude;
@@ -121,6 +126,11 @@ double ErrorStats::current_mean(size_t layer, uint32_t candidate) const {
   const double current = current_sum(layer, candidate);
   if (current > 0 && simulated_sum(layer, candidate) > 0) return current / n * content_ratio(layer, candidate);
   return mean(layer, candidate);
+}
+
+double ErrorStats::shadow_correlation(size_t layer, uint32_t candidate) const {
+  const double together = simulated_sum(layer, candidate), apart = simulated_independent_sum(layer, candidate);
+  return together > 0 && apart > 0 ? together / apart : 0.0;
 }
 
 double ErrorStats::measured_mean(size_t layer, uint32_t candidate) const {

@@ -1,7 +1,7 @@
 // Error statistics of the candidates over a measurement window.
 //
 // Each sample is one layer at one step. It holds, per candidate, the squared L2 error
-// that the candidate makes, in up to four measurements (the engine's: docs/ENGINE.md,
+// that the candidate makes, in up to five measurements (the engine's: docs/ENGINE.md,
 // "Statistics and the controller"):
 //   measured   on the whole layer's gradient alone, as measure_candidates() in
 //              kernels/codec.h measures (low-rank candidates: on the real state);
@@ -10,6 +10,9 @@
 //   reference  on the same sample, measured as `measured` is;
 //   current    on the same sample, on its real state (the residuals the codecs in effect
 //              left), as measure_candidates() measures: where a switch would start;
+//   simulated_independent  `simulated` with the ranks' errors weighed as independent,
+//              as `current` and `reference` weigh them (their ratio: how the ranks'
+//              errors correlate in the candidate's own state);
 // and the realized error of the step on the sample. A candidate's estimate is
 // simulated x measured / reference (window sums): its own-state error on the sample,
 // scaled by the ratio of the whole layer's content to the sample's. Without a simulation
@@ -60,6 +63,8 @@ class ErrorStats {
   // std::invalid_argument on a wrong layer index or candidate count.
   struct Sample {
     std::span<const double> measured, simulated, reference, current;
+    // `simulated` with the ranks' errors weighed as independent (as `current` is).
+    std::span<const double> simulated_independent;
     double realized = 0;
     double magnitude = 0;  // the gradient's sum of |g| (a share: this rank's), for drift
     bool counted = true;
@@ -103,11 +108,19 @@ class ErrorStats {
   // `measured` per step: the candidate on the whole layer's gradient alone (low rank: its
   // real state).
   double measured_mean(size_t layer, uint32_t candidate) const;
+  // How the ranks' errors add up in the candidate's own state: simulated over
+  // simulated_independent (1: independent, as quantization's stochastic rounding; up to
+  // P where every rank makes the same error: TopK's hold back the same coordinates). 0
+  // where not measured.
+  double shadow_correlation(size_t layer, uint32_t candidate) const;
   // The window sums of one measurement of a candidate (for tests and diagnostics).
   double measured_sum(size_t layer, uint32_t candidate) const { return data_[first_[layer] + candidate]; }
   double simulated_sum(size_t layer, uint32_t candidate) const { return data_[simulated_ + first_[layer] + candidate]; }
   double reference_sum(size_t layer, uint32_t candidate) const { return data_[reference_ + first_[layer] + candidate]; }
   double current_sum(size_t layer, uint32_t candidate) const { return data_[current_ + first_[layer] + candidate]; }
+  double simulated_independent_sum(size_t layer, uint32_t candidate) const {
+    return data_[independent_ + first_[layer] + candidate];
+  }
   double realized_sum(size_t layer) const { return data_[realized_ + layer]; }
 
   // The gradient's sum of |g| per step (summed over ranks); 0 without samples.
@@ -116,7 +129,7 @@ class ErrorStats {
   double lead_magnitude_mean(size_t layer) const;
 
   // The accumulator's state as one flat array of doubles: the measured, simulated,
-  // reference and current sums per candidate; per layer the realized, magnitude and lead
+  // reference, current and simulated_independent sums per candidate; per layer the realized, magnitude and lead
   // magnitude sums, the lead's counts, the sample counts and the skipped counts. Summing
   // these elementwise across ranks (counts stay exact below 2^53) is the whole aggregation.
   std::span<double> reduction_buffer() { return data_; }
@@ -126,7 +139,8 @@ class ErrorStats {
   std::vector<uint32_t> first_;  // candidate sums of layer l start at first_[l]
   ErrorMetric metric_;
   std::vector<double> data_;
-  size_t simulated_ = 0, reference_ = 0, current_ = 0, realized_ = 0, magnitude_ = 0, lead_ = 0, samples_offset_ = 0;
+  size_t simulated_ = 0, reference_ = 0, current_ = 0, independent_ = 0, realized_ = 0, magnitude_ = 0, lead_ = 0,
+         samples_offset_ = 0;
   // The scale from the sample to the whole layer of candidate c's measurements.
   double content_ratio(size_t layer, uint32_t candidate) const;
   std::vector<double> scale_;  // per layer

@@ -201,13 +201,14 @@ struct Engine::Sample {
   bool lead = false;             // a step of the first window's lead: the magnitude alone
 
   struct Layout {
-    uint64_t measured = 0, simulated, reference, current, realized, nonfinite, simulated_nonfinite,
+    uint64_t measured = 0, simulated, reference, current, independent, realized, nonfinite, simulated_nonfinite,
              reference_nonfinite, realized_nonfinite, magnitude, bytes;
     Layout(uint64_t layers, uint64_t columns)
         : simulated(layers * columns * sizeof(double)),
           reference(2 * simulated),
           current(3 * simulated),
-          realized(4 * simulated),
+          independent(4 * simulated),
+          realized(5 * simulated),
           nonfinite(realized + layers * sizeof(double)),
           simulated_nonfinite(nonfinite + layers),
           reference_nonfinite(simulated_nonfinite + layers * columns),
@@ -903,7 +904,8 @@ Engine::Sample* Engine::begin_sample(BucketState& b, const EngineCall& call) {
   sample->probe = ProbeOutput{reinterpret_cast<double*>(device + at.simulated), device + at.simulated_nonfinite,
                               reinterpret_cast<double*>(device + at.reference),
                               reinterpret_cast<double*>(device + at.current), device + at.reference_nonfinite,
-                              reinterpret_cast<double*>(device + at.realized), device + at.realized_nonfinite};
+                              reinterpret_cast<double*>(device + at.realized), device + at.realized_nonfinite,
+                              reinterpret_cast<double*>(device + at.independent)};
   samples_.push_back(std::move(sample));
   return samples_.back().get();
 }
@@ -929,9 +931,10 @@ void Engine::collect_samples(bool wait) {
     const double* simulated = table(at.simulated);
     const double* reference = table(at.reference);
     const double* current = table(at.current);
+    const double* independent = table(at.independent);
     const double* realized = table(at.realized);
     const double* magnitude = table(at.magnitude);
-    std::vector<double> values[4];
+    std::vector<double> values[5];
     for (size_t l = 0; l < b.controller_of.size(); ++l) {
       const int32_t k = b.controller_of[l];
       if (k < 0) continue;
@@ -949,6 +952,7 @@ void Engine::collect_samples(bool wait) {
         values[1].push_back(mine ? simulated[l * c + column] : 0.0);
         values[2].push_back(mine ? reference[l * c + column] : 0.0);
         values[3].push_back(mine ? current[l * c + column] : 0.0);
+        values[4].push_back(mine ? independent[l * c + column] : 0.0);
         bad |= mine && host[at.simulated_nonfinite + l * c + column] != 0;
       }
       bad |= mine && (host[at.reference_nonfinite + l] != 0 || host[at.realized_nonfinite + l] != 0);
@@ -959,6 +963,7 @@ void Engine::collect_samples(bool wait) {
       sample.simulated = values[1];
       sample.reference = values[2];
       sample.current = values[3];
+      sample.simulated_independent = values[4];
       sample.realized = mine ? realized[l] : 0.0;
       sample.magnitude = magnitude[l];
       sample.counted = !b.probe || mine;

@@ -296,6 +296,14 @@ void BucketProbe::step(Backend& backend, Fabric& fabric, const Call& call, const
     backend.gather({&whole, 1}, floats(shadows + static_cast<uint64_t>(p) * virtual_), virtual_, w, true, buf.error);
   if (reduce_scatter_) backend.gather({&whole, 1}, floats(owner), virtual_, 1.0f, true, buf.error);
   backend.distance(all, floats(buf.error), nullptr, 2, 1.0, out->simulated, out->simulated_nonfinite);
+  if (!out->simulated_independent) return;
+  // The same errors as if the ranks' were independent (TopK's are not: the ranks hold
+  // back the same large coordinates).
+  for (int p = 0; p < n; ++p)
+    backend.distance(all, floats(shadows + static_cast<uint64_t>(p) * virtual_), nullptr, 2,
+                     static_cast<double>(w) * w, out->simulated_independent, out->simulated_nonfinite);
+  if (reduce_scatter_) backend.distance(all, floats(owner), nullptr, 2, 1.0, out->simulated_independent,
+                                        out->simulated_nonfinite);
 }
 
 // The sample measured two ways. Its content: every simulated candidate on each rank's g

@@ -24,7 +24,9 @@
 //    reduction of what was encoded, is exactly -(w sum_p r_p + r_owner) of the new
 //    shadow residuals (w = 1/P under ncclAvg, else 1), for any codec: errors that
 //    correlate across ranks (TopK's, round to nearest) count as they reach the output.
-//    This is `simulated`, the candidate in its own steady state;
+//    This is `simulated`, the candidate in its own steady state; the same shadows'
+//    errors weighed as independent across ranks (as `current` weighs them) are
+//    `simulated_independent`: their ratio is how much the ranks' errors correlate;
 //  - measures, with Backend::measure, every candidate on the sample's gradients alone
 //    (`reference`, the sample's content), and on its REAL state (each rank's g + r; the
 //    owner's sum, simulated with the current codecs, plus the real owner residual):
@@ -82,6 +84,10 @@ struct ProbeOutput {
   uint8_t* reference_nonfinite = nullptr;
   double* realized = nullptr;
   uint8_t* realized_nonfinite = nullptr;
+  // simulated[l * C + k] with the ranks' errors weighed as independent, sum_p w^2
+  // ||r_p||^2 (+ ||r_owner||^2), as `reference` and `current` weigh them; the two
+  // together give TopK's correlation across ranks at its own state. Null: not measured.
+  double* simulated_independent = nullptr;
 };
 
 class BucketProbe {

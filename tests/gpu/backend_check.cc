@@ -1060,7 +1060,7 @@ void check_probe(Ctx& c, int index) {
     uint8_t* tables = nullptr;
   };
   const uint64_t cells = layers * candidates.size();
-  const uint64_t table_bytes = cells * 8 * 2 + layers * 8 + cells + 2 * layers;
+  const uint64_t table_bytes = cells * 8 * 3 + layers * 8 + cells + 2 * layers;
   const auto make = [&](collective::Backend& b) {
     Side s;
     const auto get = [&](uint64_t bytes) {
@@ -1076,8 +1076,9 @@ void check_probe(Ctx& c, int index) {
     s.tables = get(table_bytes);
     s.out.simulated = reinterpret_cast<double*>(s.tables);
     s.out.reference = reinterpret_cast<double*>(s.tables + cells * 8);
-    s.out.realized = reinterpret_cast<double*>(s.tables + cells * 16);
-    s.out.simulated_nonfinite = s.tables + cells * 16 + layers * 8;
+    s.out.simulated_independent = reinterpret_cast<double*>(s.tables + cells * 16);
+    s.out.realized = reinterpret_cast<double*>(s.tables + cells * 24);
+    s.out.simulated_nonfinite = s.tables + cells * 24 + layers * 8;
     s.out.reference_nonfinite = s.out.simulated_nonfinite + cells;
     s.out.realized_nonfinite = s.out.reference_nonfinite + layers;
     return s;
@@ -1114,16 +1115,17 @@ void check_probe(Ctx& c, int index) {
     const std::vector<uint8_t> got = from_device(on_gpu.tables, table_bytes);
     const std::vector<uint8_t> want(on_cpu.tables, on_cpu.tables + table_bytes);
     std::string bad;
-    for (uint64_t k = 0; k < 2 * cells + layers && bad.empty(); ++k) {
+    static const char* const kTables[] = {"simulated", "reference", "simulated_independent", "realized"};
+    for (uint64_t k = 0; k < 3 * cells + layers && bad.empty(); ++k) {
       double x, y;
       memcpy(&x, want.data() + k * 8, 8);
       memcpy(&y, got.data() + k * 8, 8);
-      const double tolerance = k < cells || k >= 2 * cells ? 1e-9 : kStatsRelTolerance;  // reference: measure's
+      const uint64_t table = std::min<uint64_t>(k / cells, 3);
+      const double tolerance = table == 1 ? kStatsRelTolerance : 1e-9;  // reference: measure's
       if (!(std::fabs(x - y) <= tolerance * std::fabs(x) + 1e-30))
-        bad = strf("%s %llu: cpu %.17g, gpu %.17g", k < cells ? "simulated" : k < 2 * cells ? "reference" : "realized",
-                   static_cast<ull>(k < cells ? k : k < 2 * cells ? k - cells : k - 2 * cells), x, y);
+        bad = strf("%s %llu: cpu %.17g, gpu %.17g", kTables[table], static_cast<ull>(k - table * cells), x, y);
     }
-    if (bad.empty() && memcmp(want.data() + cells * 16 + layers * 8, got.data() + cells * 16 + layers * 8,
+    if (bad.empty() && memcmp(want.data() + cells * 24 + layers * 8, got.data() + cells * 24 + layers * 8,
                               cells + 2 * layers) != 0)
       bad = "non-finite flags differ";
     const std::string what = strf("probe %d: %u layers, %zu candidates, %s%s, fraction %g, step %llu", index, layers,

@@ -313,6 +313,58 @@ BOOST_AUTO_TEST_CASE(shadows_give_each_candidate_its_own_steady_state_error) {
   }
 }
 
+// simulated_independent weighs the same shadows' errors as if the ranks' were
+// independent. With the same gradient on every rank, TopK holds back the same values on
+// each, so the output's error (simulated) is P times that sum; quantization's stochastic
+// rounding draws its noise per rank, so the two agree.
+BOOST_AUTO_TEST_CASE(the_independent_sum_shows_how_the_ranks_errors_correlate) {
+  const uint64_t seed = test::run_seed();
+  BucketLayout bucket = adaptive_bucket({1024 * 48, 1024 * 32});
+  const std::vector<CodecSpec> candidates = {quant(4), quant(2), CodecSpec::parse("topk:density=0.01")};
+  for (LayerLayout& l : bucket.layers) l.candidates = candidates, l.default_index = 0;
+  for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg}) {
+    BOOST_TEST_CONTEXT("seed " << seed << (op == ReduceOp::kAvg ? ", avg" : ", sum")) {
+      test::PinnedRun run;
+      run.ranks = 4;
+      run.buckets = {bucket};
+      run.op = op;
+      run.steps = 13;
+      run.input = [&](int, uint64_t step, uint32_t) {  // the same on every rank
+        std::mt19937_64 rng(seed ^ step);
+        return test::draw(test::Dist::kHeavyTailed, bucket.count, rng);
+      };
+      run.options = [&](int) {
+        EngineOptions o;
+        o.codec = quant(4);
+        o.candidates = candidates;
+        o.algorithm = Algorithm::kAllGather;
+        o.parameters_text = "independent";
+        o.probe.fraction = 1.0;
+        o.controller.schedule = {12, 100, 4, 2, 8};
+        return o;
+      };
+      std::optional<controller::ErrorStats> stats;
+      run.on_call = [&](uint64_t step, uint32_t, const std::vector<double>&, const Engine& engine) {
+        if (step == 12) stats = engine.last_window_stats();
+      };
+      const test::PinnedResult result = test::run_pinned(run);
+      BOOST_TEST_REQUIRE(result.failures.empty(), result.failures.front());
+      BOOST_TEST_REQUIRE(stats.has_value());
+      for (size_t l = 0; l < bucket.layers.size(); ++l) {
+        BOOST_TEST_CONTEXT("layer " << l) {
+          for (uint32_t c = 0; c < 2; ++c) {
+            BOOST_TEST(stats->simulated_independent_sum(l, c) > 0);
+            BOOST_TEST(stats->shadow_correlation(l, c) > 0.9);
+            BOOST_TEST(stats->shadow_correlation(l, c) < 1.1);
+          }
+          BOOST_TEST(stats->simulated_independent_sum(l, 2) > 0);
+          BOOST_TEST(stats->shadow_correlation(l, 2) == 4.0, boost::test_tools::tolerance(1e-5));
+        }
+      }
+    }
+  }
+}
+
 BOOST_AUTO_TEST_SUITE_END()
 
 }  // namespace

@@ -217,12 +217,13 @@ BOOST_AUTO_TEST_CASE(estimates_combine_the_measurements) {
   s.set_sample_scale(0, 16);
   s.set_sample_scale(1, 4);
   const std::vector<double> measured0 = {8, 4, 2}, simulated0 = {1, 0.25, 0}, reference0 = {0.5, 0.25, 0},
-                            current0 = {0.6, 0.3, 0};
+                            current0 = {0.6, 0.3, 0}, independent0 = {0.5, 0.2, 0};
   ErrorStats::Sample a;
   a.measured = measured0;
   a.simulated = simulated0;
   a.reference = reference0;
   a.current = current0;
+  a.simulated_independent = independent0;
   a.realized = 0.2;
   a.magnitude = 10;
   BOOST_TEST(s.add(0, a));
@@ -240,6 +241,9 @@ BOOST_AUTO_TEST_CASE(estimates_combine_the_measurements) {
   BOOST_TEST(s.realized_mean(0, 1) == 0.2 * 8.0 / 0.25);  // like candidate 1's estimate...
   BOOST_TEST(s.realized_mean(0, 2) == 0.2 * 16);          // ...or scaled by the sample
   BOOST_TEST(s.magnitude_mean(0) == 16.0);
+  BOOST_TEST(s.shadow_correlation(0, 0) == 2.0);  // simulated over its independent sum
+  BOOST_TEST(s.shadow_correlation(0, 1) == 1.25);
+  BOOST_TEST(s.shadow_correlation(0, 2) == 0.0);  // not simulated
   // Without a whole-layer measurement: the simulation scaled by the sample.
   const std::vector<double> none = {0, 0}, sim = {0.5, 0.25};
   ErrorStats::Sample c;
@@ -253,7 +257,16 @@ BOOST_AUTO_TEST_CASE(estimates_combine_the_measurements) {
   bad.realized = std::nan("");
   BOOST_TEST(!s.add(0, bad));
   BOOST_TEST(s.skipped(0) == 1u);
+  bad = a;
+  const std::vector<double> negative = {0.5, -1, 0};
+  bad.simulated_independent = negative;
+  BOOST_TEST(!s.add(0, bad));
+  BOOST_TEST(s.skipped(0) == 2u);
   BOOST_TEST(s.samples(0) == 1u);
+  BOOST_TEST(s.shadow_correlation(0, 0) == 2.0);  // the skipped samples added nothing
+  bad = a;
+  bad.simulated_independent = sim;  // two values for three candidates
+  BOOST_CHECK_THROW(s.add(0, bad), std::invalid_argument);
   BOOST_CHECK_THROW(s.set_sample_scale(0, 0.5), std::invalid_argument);
 }
 
