@@ -36,6 +36,32 @@ BucketLayout adaptive_bucket(const std::vector<uint64_t>& sizes) {
   return b;
 }
 
+// Adaptive options whose probe samples the layers whole, with one window at steps 8-11
+// (probing from step 4) whose statistics are submitted at step 12.
+EngineOptions whole_layer_window(const CodecSpec& codec, std::vector<CodecSpec> candidates, Algorithm algorithm,
+                                 const char* name) {
+  EngineOptions o;
+  o.codec = codec;
+  o.candidates = std::move(candidates);
+  o.algorithm = algorithm;
+  o.parameters_text = name;
+  o.probe.fraction = 1.0;
+  o.controller.schedule = {12, 100, 4, 2, 8};
+  return o;
+}
+
+// Runs `run` and returns the window statistics rank 0's engine holds after `step`.
+controller::ErrorStats window_stats_after(test::PinnedRun run, uint64_t step) {
+  std::optional<controller::ErrorStats> stats;
+  run.on_call = [&](uint64_t at, uint32_t, const std::vector<double>&, const Engine& engine) {
+    if (at == step) stats = engine.last_window_stats();
+  };
+  const test::PinnedResult result = test::run_pinned(run);
+  BOOST_TEST_REQUIRE(result.failures.empty(), result.failures.front());
+  BOOST_TEST_REQUIRE(stats.has_value());
+  return *stats;
+}
+
 BOOST_AUTO_TEST_SUITE(probe)
 
 BOOST_AUTO_TEST_CASE(gather_copies_scales_accumulates_and_clips) {
@@ -265,22 +291,9 @@ BOOST_AUTO_TEST_CASE(shadows_give_each_candidate_its_own_steady_state_error) {
   run.steps = 13;
   run.input = input;
   run.options = [&](int) {
-    EngineOptions o;
-    o.codec = quant(4);
-    o.candidates = bits_2_to_8();
-    o.algorithm = Algorithm::kScatterReduceAllGather;
-    o.parameters_text = "shadows";
-    o.probe.fraction = 1.0;
-    o.controller.schedule = {12, 100, 4, 2, 8};
-    return o;
+    return whole_layer_window(quant(4), bits_2_to_8(), Algorithm::kScatterReduceAllGather, "shadows");
   };
-  std::optional<controller::ErrorStats> stats;
-  run.on_call = [&](uint64_t step, uint32_t, const std::vector<double>&, const Engine& engine) {
-    if (step == 12) stats = engine.last_window_stats();
-  };
-  const test::PinnedResult adaptive = test::run_pinned(run);
-  BOOST_TEST_REQUIRE(adaptive.failures.empty(), adaptive.failures.front());
-  BOOST_TEST_REQUIRE(stats.has_value());
+  const std::optional<controller::ErrorStats> stats = window_stats_after(run, 12);
   for (int bits : {2, 3, 4, 6}) {
     test::PinnedRun uniform = run;
     uniform.on_call = nullptr;
@@ -333,23 +346,8 @@ BOOST_AUTO_TEST_CASE(the_independent_sum_shows_how_the_ranks_errors_correlate) {
         std::mt19937_64 rng(seed ^ step);
         return test::draw(test::Dist::kHeavyTailed, bucket.count, rng);
       };
-      run.options = [&](int) {
-        EngineOptions o;
-        o.codec = quant(4);
-        o.candidates = candidates;
-        o.algorithm = Algorithm::kAllGather;
-        o.parameters_text = "independent";
-        o.probe.fraction = 1.0;
-        o.controller.schedule = {12, 100, 4, 2, 8};
-        return o;
-      };
-      std::optional<controller::ErrorStats> stats;
-      run.on_call = [&](uint64_t step, uint32_t, const std::vector<double>&, const Engine& engine) {
-        if (step == 12) stats = engine.last_window_stats();
-      };
-      const test::PinnedResult result = test::run_pinned(run);
-      BOOST_TEST_REQUIRE(result.failures.empty(), result.failures.front());
-      BOOST_TEST_REQUIRE(stats.has_value());
+      run.options = [&](int) { return whole_layer_window(quant(4), candidates, Algorithm::kAllGather, "independent"); };
+      const std::optional<controller::ErrorStats> stats = window_stats_after(run, 12);
       for (size_t l = 0; l < bucket.layers.size(); ++l) {
         BOOST_TEST_CONTEXT("layer " << l) {
           for (uint32_t c = 0; c < 2; ++c) {
