@@ -191,7 +191,7 @@ class Controller {
   Transient transient_of(const Job& job, size_t layer, uint32_t candidate) const;
   static double mean_error(const Transient& x, uint64_t first, uint64_t count);
   // The output's TopK error over the independent ranks' sum, on the layer's real state
-  // (controller.cc, transient_of).
+  // (controller.cc, transient_of): where the shadows' own ratio is not measured.
   double topk_correlation(const ErrorStats& stats, size_t layer) const;
   mutable std::optional<double> pooled_topk_correlation_;  // per window; solver thread only
   double window_middle(uint64_t last) const;
