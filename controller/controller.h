@@ -183,8 +183,8 @@ class Controller {
     std::string codec;
     double steady = 0, now = 0, fresh = 0;
     double age = 0, ageing = 0;
-    // TopK: the output's error over the independent ranks' sum (topk_correlation); it
-    // scales the whole curve, not the state's place on it.
+    // TopK: the output's error over the independent ranks' sum (the shadows' ratio, else
+    // topk_correlation); it scales the whole curve, not the state's place on it.
     double correlation = 1;
     std::string state_family;  // of the codec in effect, whose residual the state holds
   };

@@ -288,22 +288,21 @@ void BucketProbe::step(Backend& backend, Fabric& fabric, const Call& call, const
     backend.encode(sim_plan_, reducible, sum, owner, 0, nullptr, noise, buf.payload, 0);
   }
   if (!out) return;
-  // Output - (what was encoded) = -(w sum_p r_p + r_owner) of the new shadows. (The owner
-  // shadow of gathered candidates stays 0: only reducible ones are re-encoded.)
+  // Output - (what was encoded) = -(w sum_p r_p + r_owner) of the new shadows (the owner
+  // shadow of gathered candidates stays 0: only reducible ones are re-encoded); and the
+  // same errors as if the ranks' were independent, each shadow's apart (TopK's are not
+  // independent: the ranks hold back the same large coordinates).
   backend.fill_zero(buf.error, vbytes);
   const Backend::Run whole{0, 0, virtual_};
-  for (int p = 0; p < n; ++p)
-    backend.gather({&whole, 1}, floats(shadows + static_cast<uint64_t>(p) * virtual_), virtual_, w, true, buf.error);
-  if (reduce_scatter_) backend.gather({&whole, 1}, floats(owner), virtual_, 1.0f, true, buf.error);
+  const auto add_error = [&](const float* shadow, float weight) {
+    backend.gather({&whole, 1}, floats(shadow), virtual_, weight, true, buf.error);
+    if (out->simulated_independent)
+      backend.distance(all, floats(shadow), nullptr, 2, static_cast<double>(weight) * weight,
+                       out->simulated_independent, out->simulated_nonfinite);
+  };
+  for (int p = 0; p < n; ++p) add_error(shadows + static_cast<uint64_t>(p) * virtual_, w);
+  if (reduce_scatter_) add_error(owner, 1.0f);
   backend.distance(all, floats(buf.error), nullptr, 2, 1.0, out->simulated, out->simulated_nonfinite);
-  if (!out->simulated_independent) return;
-  // The same errors as if the ranks' were independent (TopK's are not: the ranks hold
-  // back the same large coordinates).
-  for (int p = 0; p < n; ++p)
-    backend.distance(all, floats(shadows + static_cast<uint64_t>(p) * virtual_), nullptr, 2,
-                     static_cast<double>(w) * w, out->simulated_independent, out->simulated_nonfinite);
-  if (reduce_scatter_) backend.distance(all, floats(owner), nullptr, 2, 1.0, out->simulated_independent,
-                                        out->simulated_nonfinite);
 }
 
 // The sample measured two ways. Its content: every simulated candidate on each rank's g

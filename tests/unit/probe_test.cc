@@ -293,7 +293,7 @@ BOOST_AUTO_TEST_CASE(shadows_give_each_candidate_its_own_steady_state_error) {
   run.options = [&](int) {
     return whole_layer_window(quant(4), bits_2_to_8(), Algorithm::kScatterReduceAllGather, "shadows");
   };
-  const std::optional<controller::ErrorStats> stats = window_stats_after(run, 12);
+  const controller::ErrorStats stats = window_stats_after(run, 12);
   for (int bits : {2, 3, 4, 6}) {
     test::PinnedRun uniform = run;
     uniform.on_call = nullptr;
@@ -311,8 +311,8 @@ BOOST_AUTO_TEST_CASE(shadows_give_each_candidate_its_own_steady_state_error) {
       double realized = 0;
       for (uint64_t step = 8; step < 12; ++step) realized += real.error[step][0][l] / 4;
       const uint32_t c = static_cast<uint32_t>(bits - 2);
-      const double simulated = stats->simulated_sum(l, c) / 4, estimate = stats->mean(l, c);
-      const double on_default_state = stats->current_mean(l, c);
+      const double simulated = stats.simulated_sum(l, c) / 4, estimate = stats.mean(l, c);
+      const double on_default_state = stats.current_mean(l, c);
       BOOST_TEST_CONTEXT("seed " << seed << ", " << bits << " bits, layer " << l << ": simulated " << simulated
                                  << ", estimate " << estimate << ", on the default's state " << on_default_state
                                  << ", a real run " << realized) {
@@ -347,16 +347,16 @@ BOOST_AUTO_TEST_CASE(the_independent_sum_shows_how_the_ranks_errors_correlate) {
         return test::draw(test::Dist::kHeavyTailed, bucket.count, rng);
       };
       run.options = [&](int) { return whole_layer_window(quant(4), candidates, Algorithm::kAllGather, "independent"); };
-      const std::optional<controller::ErrorStats> stats = window_stats_after(run, 12);
+      const controller::ErrorStats stats = window_stats_after(run, 12);
       for (size_t l = 0; l < bucket.layers.size(); ++l) {
         BOOST_TEST_CONTEXT("layer " << l) {
           for (uint32_t c = 0; c < 2; ++c) {
-            BOOST_TEST(stats->simulated_independent_sum(l, c) > 0);
-            BOOST_TEST(stats->shadow_correlation(l, c) > 0.9);
-            BOOST_TEST(stats->shadow_correlation(l, c) < 1.1);
+            BOOST_TEST(stats.simulated_independent_sum(l, c) > 0);
+            BOOST_TEST(stats.shadow_correlation(l, c) > 0.9);
+            BOOST_TEST(stats.shadow_correlation(l, c) < 1.1);
           }
-          BOOST_TEST(stats->simulated_independent_sum(l, 2) > 0);
-          BOOST_TEST(stats->shadow_correlation(l, 2) == 4.0, boost::test_tools::tolerance(1e-5));
+          BOOST_TEST(stats.simulated_independent_sum(l, 2) > 0);
+          BOOST_TEST(stats.shadow_correlation(l, 2) == 4.0, boost::test_tools::tolerance(1e-5));
         }
       }
     }
