@@ -82,7 +82,7 @@ help:
 	@echo "make deps       install the Debian packages the build and tests need (root)"
 	@echo "make test       deps + build + every test suite (including test-tsan)"
 	@echo "make test-tsan  the controller's and the engine's thread tests under ThreadSanitizer"
-	@echo "make test-python  tools/lgreco-register's tests (needs torch for $(PYTHON))"
+	@echo "make test-python  the Python package's and lgreco-register's tests (torch for $(PYTHON), python3-venv)"
 	@echo "make fuzz       the registration/parameter parsers under libFuzzer for FUZZ_SECONDS ($(FUZZ_SECONDS))"
 	@echo "make bench      CPU codec, solver and call-matching benchmarks (one core), as tables"
 	@echo "make netbench   lgreco-bench, 4 ranks over rate-limited links in network namespaces (root)"
@@ -276,21 +276,31 @@ $(TSAN_BIN): $(TSAN_OBJS)
 
 # Every suite runs in one Boost.Test runner, which ends with its summary. The tool and
 # file-format suites run the built binaries and $(PYTHON).
+# The runner's log is kept in $(UNIT_LOG); a failure repeats its failed checks at the end,
+# after the libraries' WARN lines, so that a log's tail (CI shows only that) names them.
+UNIT_LOG := $(BUILD)/unit-tests.log
 # deps runs first even under -j: the build starts from the recipe, after it.
 test: deps
 	@$(MAKE) --no-print-directory all $(TEST_BIN) $(GPU_CHECK_BIN) $(INTERPOSE_BIN) $(CALLER_LIBS) $(PLUGIN_PROBE) $(NET_HARNESS_BIN)
-	LGRECO_TEST_BIN_DIR=$(CURDIR)/$(BUILD)/bin LGRECO_TEST_LIB=$(CURDIR)/$(LIB) LGRECO_TEST_PYTHON=$(PYTHON) \
+	@rm -f $(UNIT_LOG).rc
+	{ LGRECO_TEST_BIN_DIR=$(CURDIR)/$(BUILD)/bin LGRECO_TEST_LIB=$(CURDIR)/$(LIB) LGRECO_TEST_PYTHON=$(PYTHON) \
 	LGRECO_TEST_NCCL_LIB=$(NCCL_HOME)/lib64/libnccl.so LGRECO_TEST_SOURCE_DIR=$(CURDIR) \
 	LGRECO_TEST_INTERPOSE_PROBE=$(CURDIR)/$(INTERPOSE_BIN) LGRECO_TEST_NET_HARNESS=$(CURDIR)/$(NET_HARNESS_BIN) \
 	LGRECO_TEST_CALLER_LIB=$(CURDIR)/$(CALLER_LIB) LGRECO_TEST_PLUGIN_PROBE=$(CURDIR)/$(PLUGIN_PROBE) \
-	  $(TEST_BIN) --report_level=short --log_level=warning
+	  $(TEST_BIN) --report_level=short --log_level=warning 2>&1 || echo $$? > $(UNIT_LOG).rc; } | tee $(UNIT_LOG)
+	@if [ -f $(UNIT_LOG).rc ]; then \
+	  echo "== make test: the unit tests failed (exit $$(cat $(UNIT_LOG).rc)); their failed checks (the whole log: $(UNIT_LOG)):"; \
+	  grep -E ': in "[^"]+"' $(UNIT_LOG) | head -40; exit 1; fi
 	@$(MAKE) --no-print-directory test-tsan
 	@$(MAKE) --no-print-directory test-python
 	@$(MAKE) --no-print-directory fuzz FUZZ_SECONDS=$(TEST_FUZZ_SECONDS)
 
-# The registration tool's tests run DDP in a one-process gloo group on the CPU.
-test-python: $(BUILD)/bin/lgreco-config
+# The registration tool's tests run DDP in a one-process gloo group on the CPU. The
+# package's tests install it (pip install ., offline) into a fresh virtual environment of
+# $(PYTHON) and run its commands; the install reuses this build.
+test-python: $(LIB) $(BUILD)/bin/lgreco-config $(INTERPOSE_BIN)
 	LGRECO_DEBUG=NONE $(PYTHON) tests/python/register_test.py
+	LGRECO_TEST_INTERPOSE_PROBE=$(CURDIR)/$(INTERPOSE_BIN) $(PYTHON) tests/python/package_test.py
 
 # libFuzzer (clang) over the parsers of user input. The committed corpus (seeds and any
 # input that once crashed) is replayed first; new inputs go to build/fuzz/corpus, and a
@@ -339,7 +349,8 @@ install: all
 	install -m 0755 $(LIB) $(DESTDIR)$(PREFIX)/lib/liblgreco.so
 	ln -sf liblgreco.so $(DESTDIR)$(PREFIX)/lib/libnccl-net-lgreco.so
 	install -m 0755 $(TOOL_BINS) tools/lgreco-register $(DESTDIR)$(PREFIX)/bin/
-	install -m 0644 tools/lgreco_register.py $(DESTDIR)$(PREFIX)/bin/
+	install -d $(DESTDIR)$(PREFIX)/share/lgreco/python/lgreco
+	install -m 0644 python/lgreco/*.py $(DESTDIR)$(PREFIX)/share/lgreco/python/lgreco/
 	install -m 0644 README.md docs/*.md $(DESTDIR)$(PREFIX)/share/doc/lgreco/
 
 clean:

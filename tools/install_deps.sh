@@ -9,6 +9,7 @@ PACKAGES=(
   libboost-test-dev   # Boost.Test, the unit-test runner
   nlohmann-json3-dev  # JSON for problem files and the decision log (header-only)
   python3             # /usr/bin/python3 for the file-format decoder test
+  python3-venv        # the Python package's test: pip install . in a fresh virtual environment
   python3-torch       # tools/lgreco-register's tests: DDP in a one-process gloo group (torch 1.13)
   python3-torchvision # the ResNet-50 example registration
   clang               # libFuzzer for `make fuzz` (clang++ -fsanitize=fuzzer)

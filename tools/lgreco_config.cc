@@ -4,9 +4,13 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "config/params.h"
 #include "config/registration.h"
+#include "config/version.h"
 #include "controller/settings.h"
+#include "kernels/cuda_env.h"
 #include "tools/cli.h"
 
 namespace lgreco {
@@ -15,6 +19,8 @@ namespace {
 const char kUsage[] = R"(usage: lgreco-config check FILE...    validate registration files
        lgreco-config show              the effective LGRECO_* parameters
        lgreco-config docs              the parameter table (Markdown, docs/CONFIG.md)
+       lgreco-config params            the parameter table as JSON (for tools)
+       lgreco-config version           this build's versions as JSON (for tools)
 
 check   Validates each registration file (docs/REGISTRATION.md) as the library will
         when it loads it, and summarises it: buckets, layers, and which layers are
@@ -30,6 +36,16 @@ show    Prints every parameter as NAME=VALUE with where the value came from
         configuration runs with compression off and says why in a WARN line.
 
 docs    Prints the Markdown table of every parameter that docs/CONFIG.md holds.
+
+params  Prints the same table as a JSON array of {"name", "default", "accepted",
+        "meaning"} ("default" "" when unset): lgreco-run's options come from it.
+
+version Prints a JSON object: "version", "git", "nccl_header" (the nccl.h built
+        against, "" if none), "cuda_runtime" (the static CUDA runtime's version, e.g.
+        13000; 0 when built without CUDA), "cuda_driver" (the CUDA version this host's
+        driver supports; 0 when there is no driver) and "driver_required" (the
+        minimum NVIDIA driver release for that runtime, "" when built without CUDA)
+        and "variant" ("cu130" for CUDA 13.0, "cpu" without CUDA).
 )";
 
 std::string elements(uint64_t n) {
@@ -110,9 +126,50 @@ int show() {
   return 0;
 }
 
+int params_json() {
+  nlohmann::json table = nlohmann::json::array();
+  for (const config::ParamInfo& info : config::param_table())
+    table.push_back({{"name", info.name}, {"default", info.default_value}, {"accepted", info.accepted},
+                     {"meaning", info.meaning}});
+  printf("%s\n", table.dump(1).c_str());
+  return 0;
+}
+
+// The oldest NVIDIA driver release a CUDA runtime of this major version runs on (NVIDIA's
+// CUDA toolkit release notes, minor version compatibility).
+const char* driver_required(int cuda_runtime) {
+  if (cuda_runtime <= 0) return "";
+  if (cuda_runtime >= 13000) return "580";
+  if (cuda_runtime >= 12000) return "525";
+  return "450";
+}
+
+int version_json() {
+  const std::string full = version_string();  // "0.1.0 (git 1a2b3c4)"
+  const size_t git = full.find(" (git ");
+  const CudaVersions cuda = cuda_versions();
+  const int nccl = nccl_header_version_code();
+  std::string nccl_text;
+  if (nccl > 0)
+    nccl_text = std::to_string(nccl / 10000) + "." + std::to_string(nccl / 100 % 100) + "." + std::to_string(nccl % 100);
+  const nlohmann::json out = {
+      {"version", full.substr(0, git)},
+      {"git", git == std::string::npos ? "unknown" : full.substr(git + 6, full.size() - git - 7)},
+      {"nccl_header", nccl_text},
+      {"cuda_runtime", cuda.built_with_cuda ? cuda.runtime : 0},
+      {"cuda_driver", cuda.driver},
+      {"driver_required", driver_required(cuda.built_with_cuda ? cuda.runtime : 0)},
+      // The build's variant, the Python wheel's local version label: cu130 for CUDA 13.0.
+      {"variant", cuda.built_with_cuda ? "cu" + std::to_string(cuda.runtime / 1000) +
+                                             std::to_string(cuda.runtime % 1000 / 10)
+                                       : std::string("cpu")}};
+  printf("%s\n", out.dump(1).c_str());
+  return 0;
+}
+
 int run(int argc, char** argv) {
   cli::Args args(argc, argv, 1);
-  if (!args.next()) throw cli::UsageError("missing command (check, show or docs)");
+  if (!args.next()) throw cli::UsageError("missing command (check, show, docs, params or version)");
   if (args.is_help()) {
     fputs(kUsage, stdout);
     return 0;
@@ -134,7 +191,9 @@ int run(int argc, char** argv) {
     fputs(config::params_markdown_table().c_str(), stdout);
     return 0;
   }
-  throw cli::UsageError("unknown command '" + command + "' (check, show or docs)");
+  if (command == "params") return params_json();
+  if (command == "version") return version_json();
+  throw cli::UsageError("unknown command '" + command + "' (check, show, docs, params or version)");
 }
 
 }  // namespace

@@ -4,7 +4,7 @@
 usage: register_cuda_check.py MODEL_SPEC INPUT_SHAPE INPUT_HIGH CPU_FILE OUT_FILE
 
 Builds the model on cuda:0, wraps it in DDP over NCCL (one process), attaches
-lgreco_register.register_ddp(), trains three steps while a comm hook records the count
+lgreco.register.register_ddp(), trains three steps while a comm hook records the count
 and dtype of every bucket DDP allreduces, and checks (1) the registration written on the
 GPU matches what DDP allreduced after its rebuild, bucket by bucket, and (2) it equals
 the layout the CLI produced on the CPU with gloo (CPU_FILE). Prints one line; exit 1 on
@@ -17,8 +17,8 @@ import socket
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "..", "tools"))
-import lgreco_register  # noqa: E402
+sys.path.insert(0, os.path.join(HERE, "..", "..", "python"))
+import lgreco.register as lgreco_register  # noqa: E402
 
 
 def main():

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Tests of tools/lgreco-register and tools/lgreco_register.py.
+"""Tests of lgreco-register: tools/lgreco-register and the lgreco package's lgreco.register.
 
 Run from the repository root with the Python that has torch:
 
@@ -28,13 +28,12 @@ import textwrap
 import unittest
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-TOOLS = os.path.join(REPO, "tools")
-LAUNCHER = os.path.join(TOOLS, "lgreco-register")
+LAUNCHER = os.path.join(REPO, "tools", "lgreco-register")
 CONFIG_TOOL = os.path.join(REPO, "build", "bin", "lgreco-config")
 EXAMPLES = os.path.join(REPO, "config", "examples")
-sys.path.insert(0, TOOLS)
+sys.path.insert(0, os.path.join(REPO, "python"))
 
-import lgreco_register as lr  # noqa: E402
+import lgreco.register as lr  # noqa: E402
 
 try:
     import torch

@@ -7,13 +7,13 @@ them every step. This module writes that file, in two ways:
 
 * from the user's own training script, without changing its numbers::
 
-      import sys; sys.path.insert(0, "/path/to/lgreco/tools")
-      import lgreco_register
+      from lgreco.torch import register_ddp     # the lgreco package (pip install .)
       ddp = DistributedDataParallel(model, ...)
-      lgreco_register.register_ddp(ddp, "model.json", model_name="mymodel")
+      register_ddp(ddp, "model.json", model_name="mymodel")
       # train as usual: the file appears once DDP's buckets are final
 
-* from the command line (tools/lgreco-register), which builds a model from an import
+* from the command line (lgreco-register, installed by the package; in a source tree
+  tools/lgreco-register), which builds a model from an import
   path, runs a few training steps in a one-process gloo group on the CPU and writes the
   file; `--check FILE` runs the C++ validator.
 
@@ -473,7 +473,7 @@ class Registration:
 
     def __repr__(self):
         state = "written" if self.done else ("failed" if self.error else ("pending" if self.pending else "inactive"))
-        return f"<lgreco_register.Registration {self.path!r} {state}>"
+        return f"<lgreco.register.Registration {self.path!r} {state}>"
 
 
 def register_ddp(ddp, path, model_name=None, generator=None, write_rank=0, strict=False,
@@ -826,12 +826,21 @@ def _cross_check(doc, recorded, ddp):
 
 
 def find_config_tool(script_dirs):
-    """lgreco-config: $LGRECO_CONFIG_TOOL, next to this script, ../build/bin, or PATH."""
+    """lgreco-config: $LGRECO_CONFIG_TOOL, the package's own (or its source tree's build),
+    next to the launcher, ../build/bin from it, or PATH."""
     env = os.environ.get("LGRECO_CONFIG_TOOL")
     if env:
         if os.path.isfile(env) and os.access(env, os.X_OK):
             return env
         raise RegisterError(f"LGRECO_CONFIG_TOOL={env} is not an executable file")
+    try:
+        from . import LgrecoError, config_tool_path  # noqa: PLC0415
+        try:
+            return config_tool_path()
+        except LgrecoError:
+            pass
+    except ImportError:  # loaded as a plain file, outside the package
+        pass
     tried = []
     for d in script_dirs:
         for candidate in (os.path.join(d, "lgreco-config"),
@@ -867,7 +876,7 @@ an import path, wrapped in DDP in a one-process gloo group on the CPU (127.0.0.1
 port) and trained on random input until DDP's buckets are final (2 steps; 1 with
 --find-unused-parameters, 3 with --static-graph). Use the same DDP settings (--bucket-cap-mb ...) and the same torch as the
 training job: the layout depends on both. From a training script, use
-lgreco_register.register_ddp() instead (docs/REGISTER_TOOL.md)."""
+lgreco.torch.register_ddp() instead (docs/REGISTER_TOOL.md)."""
 
 EPILOG = """\
 examples:
@@ -927,8 +936,8 @@ def build_parser():
     p.add_argument("--seed", type=int, default=0, help="random seed for the model and input (default 0)")
     p.add_argument("-o", "--output", metavar="FILE", help="the file to write ('-': standard output)")
     p.add_argument("--check", metavar="FILE",
-                   help="validate FILE with lgreco-config check (found through $LGRECO_CONFIG_TOOL, next "
-                        "to this script, ../build/bin or PATH) and exit with its status; needs no torch")
+                   help="validate FILE with lgreco-config check (found through $LGRECO_CONFIG_TOOL, the "
+                        "lgreco package's, or PATH) and exit with its status; needs no torch")
     return p
 
 
@@ -980,7 +989,7 @@ def _cli(argv, script_dirs):
 def main(argv=None, script_dir=None):
     """Command-line entry point; returns the exit status."""
     dirs = []
-    for d in (script_dir, os.path.dirname(os.path.abspath(__file__))):
+    for d in (script_dir,):
         if d and d not in dirs:
             dirs.append(d)
     try:
