@@ -57,6 +57,12 @@
 #              LGRECO_GPU_SHIM_SECONDS (default 480). It does not run the
 #              backend section first: run `tests/gpu/run.sh backend`, then
 #              `tests/gpu/run.sh shim`, as two device-tool commands.
+#   package    the Python package on the machine's Python and torch: a virtual
+#              environment (--system-site-packages, outside $OUT), pip install . with
+#              PIP_NO_INDEX=1 (reuses build/; a cold CUDA build takes minutes), then
+#              `lgreco info`: torch's NCCL found, the driver new enough for the static CUDA
+#              runtime (a miss fails), and lgreco-run's LD_PRELOAD. Output after the
+#              summary. Seconds when build/ is warm (run it after shim or net).
 #   net        lgreco's NCCL net plugin (build/lib/libnccl-net-lgreco.so) under the real
 #              NCCL (LGRECO_GPU_NCCL_LIB, else torch's), ranks sharing the one GPU as in
 #              shim: builds the library and build/bin/lgreco-gpu-net-check here, then
@@ -699,8 +705,42 @@ section_net() {
   [[ -s "$OUT/net-ddp-table.txt" ]] && appendix+=("$OUT/net-ddp-table.txt")
 }
 
+section_package() {
+  local venv=/tmp/lgreco-gpu-venv log="$OUT/package.log" info="$OUT/package-info.txt" version preload
+  rm -rf "$venv"
+  if ! timeout 120 "$PY" -m venv --system-site-packages "$venv" > "$log" 2>&1; then
+    row package "venv of $PY" FAIL "$(last_line "$log") (package.log)"; failed=1; return
+  fi
+  if ! PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1 LGRECO_MAKE_JOBS=$JOBS timeout 480 \
+       "$venv/bin/pip" install --no-cache-dir . >> "$log" 2>&1; then
+    row package "pip install . (offline)" FAIL "$(last_line "$log") (package.log)"; failed=1; return
+  fi
+  version=$("$venv/bin/python" -c 'import lgreco; print(lgreco.__version__)' 2>> "$log")
+  row package "pip install . (offline)" PASS "lgreco $version"
+  "$venv/bin/lgreco" info > "$info" 2>&1
+  if grep -qE '^  torch [^ ]+: NCCL 2\.' "$info"; then
+    row package "lgreco info: torch's NCCL" PASS "$(grep -E '^  torch ' "$info" | head -n1 | cut -c3-120)"
+  else
+    row package "lgreco info: torch's NCCL" FAIL "$(grep -E '^  torch ' "$info" | head -n1 | cut -c3-120) (package-info.txt)"
+    failed=1
+  fi
+  if grep -qE '^CUDA driver: .*: fine$' "$info"; then
+    row package "lgreco info: CUDA driver" PASS "$(grep -E '^CUDA driver:' "$info" | cut -c17-140)"
+  else
+    row package "lgreco info: CUDA driver" FAIL "$(grep -E '^CUDA driver:' "$info" | cut -c17-140) (package-info.txt)"
+    failed=1
+  fi
+  preload=$("$venv/bin/lgreco-run" -- sh -c 'echo $LD_PRELOAD' 2>> "$log")
+  if [[ "$preload" == "$venv"/lib/python*/site-packages/lgreco/_lib/liblgreco.so ]]; then
+    row package "lgreco-run LD_PRELOAD" PASS "$preload"
+  else
+    row package "lgreco-run LD_PRELOAD" FAIL "'$preload' (package.log)"; failed=1
+  fi
+  appendix+=("$info")
+}
+
 sections=("$@")
-[[ ${#sections[@]} -eq 0 ]] && sections=(register codec families backend shim net)
+[[ ${#sections[@]} -eq 0 ]] && sections=(register codec families backend shim net package)
 for s in "${sections[@]}"; do
   case "$s" in
     register) section_register ;;
@@ -709,7 +749,8 @@ for s in "${sections[@]}"; do
     backend) section_backend ;;
     shim) section_shim ;;
     net) section_net ;;
-    *) echo "tests/gpu/run.sh: unknown section '$s' (sections: register codec families backend shim net)" >&2; exit 2 ;;
+    package) section_package ;;
+    *) echo "tests/gpu/run.sh: unknown section '$s' (sections: register codec families backend shim net package)" >&2; exit 2 ;;
   esac
 done
 
