@@ -235,16 +235,21 @@ BOOST_AUTO_TEST_CASE(the_closed_loop_corrects_a_wrong_error_model_within_two_epo
         BOOST_TEST(on.ratio[0] > 1.1);                   // the first adaptive epoch, before any correction
         BOOST_TEST(std::min(on.ratio[1], on.ratio[2]) <= 1.03);  // recovered within two epochs
         // And it stays so: from the third epoch on, no overspend beyond 10%, at most one
-        // beyond 3% in any six epochs (the ceiling's slow re-probe of a cliff where one
+        // beyond 4% in any six epochs (the ceiling's slow re-probe of a cliff where one
         // more layer's narrow codec adds a step of error), on average within the budget,
-        // and the budget not wasted.
+        // and the budget not wasted. Not 3%: the measurements carry +-3% noise, so at
+        // one alpha_eff the solution near such a cliff realizes 1.003 or 1.033 of the
+        // budget by which layer the noise favours, and the loop rightly leaves a bias
+        // within its dead band alone (seeds 103 and 108 of 1-120 had two such epochs
+        // within six, at 1.032-1.036). A re-probe itself reached 1.048-1.054 once in
+        // seeds 15, 57 and 89.
         double sum = 0;
         for (size_t k = 2; k < on.ratio.size(); ++k) {
           BOOST_TEST(on.ratio[k] <= 1.10);
           BOOST_TEST(on.ratio[k] >= 0.70);
           sum += on.ratio[k];
           size_t over = 0;
-          for (size_t j = k; j < std::min(k + 6, on.ratio.size()); ++j) over += on.ratio[j] > 1.03;
+          for (size_t j = k; j < std::min(k + 6, on.ratio.size()); ++j) over += on.ratio[j] > 1.04;
           BOOST_TEST(over <= 1u, "epochs " << k << " to " << k + 5);
         }
         BOOST_TEST(sum / static_cast<double>(on.ratio.size() - 2) <= 1.02);  // the dead band

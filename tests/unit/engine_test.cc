@@ -963,7 +963,13 @@ BOOST_AUTO_TEST_CASE(the_realized_error_stays_within_budget_over_epochs) {
                                  << "; per epoch" << epochs);
       BOOST_TEST(ratio <= 1.05);
       BOOST_TEST(ratio >= 0.80);  // the budget used, not wasted
-      BOOST_TEST(worst <= 1.08);  // every adaptive epoch (before the probe: 1.15-1.18)
+      // Every adaptive epoch. An epoch's ratio is noisy: 6 steps, solved from a 2-step
+      // window, with the error carried by the few largest-scale layers, so one of them
+      // on either side of a bit width's step moves it by several percent. Over seeds 1-40
+      // (at 18f9004): the second adaptive epoch's ratio (the noisiest)
+      // 1.00 +- 0.05, the worst epoch of a run at most 1.126, 1.08 exceeded in 7 of 80
+      // runs; 1.15 is three deviations above. (Before the probe: 1.15-1.18 in every run.)
+      BOOST_TEST(worst <= 1.15);
       const uint64_t bytes = adaptive.encoded_bytes[35] - adaptive.encoded_bytes[12];
       const uint64_t uniform_bytes = reference.encoded_bytes[35] - reference.encoded_bytes[12];
       BOOST_TEST(bytes * 1.1 < uniform_bytes);
