@@ -45,6 +45,7 @@ NVCCFLAGS := -std=c++20 -O3 -g -I. --fmad=false -ccbin $(CXX) \
 CORE_SRCS := $(wildcard config/*.cc) $(wildcard controller/*.cc) \
              $(filter-out %_none.cc,$(wildcard kernels/*.cc)) \
              $(wildcard plugin/transport/*.cc) $(wildcard plugin/collective/*.cc) \
+             $(filter-out plugin/hook/c_api.cc,$(wildcard plugin/hook/*.cc)) \
              $(filter-out plugin/shim/entry_points.cc,$(wildcard plugin/shim/*.cc)) \
              $(filter-out plugin/net/exports.cc,$(wildcard plugin/net/*.cc))
 ifeq ($(HAVE_CUDA),1)
@@ -57,7 +58,7 @@ CORE_SRCS += $(wildcard kernels/*_none.cc)
 CU_SRCS   :=
 CUDA_LIBS :=
 endif
-SO_SRCS   := plugin/library.cc plugin/shim/entry_points.cc plugin/net/exports.cc
+SO_SRCS   := plugin/library.cc plugin/shim/entry_points.cc plugin/net/exports.cc plugin/hook/c_api.cc
 TEST_SRCS := $(wildcard tests/unit/*.cc)
 # Each tools/lgreco_NAME.cc is one program, build/bin/lgreco-NAME ('_' becomes '-').
 TOOL_SRCS := $(wildcard tools/lgreco_*.cc)
@@ -74,7 +75,7 @@ CORE_LIB  := $(BUILD)/lib/liblgreco_core.a
 TOOL_BINS := $(addprefix $(BUILD)/bin/,$(TOOLS))
 TEST_BIN  := $(BUILD)/bin/lgreco-unit-tests
 
-.PHONY: all deps test test-tsan test-python fuzz bench netbench demo install clean help FORCE
+.PHONY: all deps test test-tsan test-python accuracy fuzz bench netbench demo install clean help FORCE
 all: $(LIB) $(PLUGIN) $(TOOL_BINS)
 
 help:
@@ -84,6 +85,7 @@ help:
 	@echo "make test-tsan  the controller's and the engine's thread tests under ThreadSanitizer"
 	@echo "make test-python  the Python package's and lgreco-register's tests (torch for $(PYTHON), python3-venv)"
 	@echo "make fuzz       the registration/parameter parsers under libFuzzer for FUZZ_SECONDS ($(FUZZ_SECONDS))"
+	@echo "make accuracy   real training through the comm hook: a character transformer, 4 gloo ranks, every mode (hours)"
 	@echo "make bench      CPU codec, solver and call-matching benchmarks (one core), as tables"
 	@echo "make netbench   lgreco-bench, 4 ranks over rate-limited links in network namespaces (root)"
 	@echo "make demo       deps + build + compressed allreduce with L-GreCo on ResNet-50's buckets, 4 ranks"
@@ -298,9 +300,22 @@ test: deps
 # The registration tool's tests run DDP in a one-process gloo group on the CPU. The
 # package's tests install it (pip install ., offline) into a fresh virtual environment of
 # $(PYTHON) and run its commands; the install reuses this build.
+# The comm hook's tests and the quick real-training run (tests/accuracy/char_lm.py, 4
+# ranks of DDP on gloo, a 0.1M-parameter character transformer on the license texts)
+# train through the library in build/lib.
 test-python: $(LIB) $(BUILD)/bin/lgreco-config $(INTERPOSE_BIN)
 	LGRECO_DEBUG=NONE $(PYTHON) tests/python/register_test.py
 	LGRECO_TEST_INTERPOSE_PROBE=$(CURDIR)/$(INTERPOSE_BIN) $(PYTHON) tests/python/package_test.py
+	$(PYTHON) tests/python/comm_hook_test.py
+	$(PYTHON) tests/accuracy/char_lm.py --size quick --check
+
+# Real training, the full variant (docs/PERF.md, "Real training"): every mode, then
+# uniform on two more seeds for the run-to-run spread. Hours on 2 cores.
+accuracy: $(LIB) $(BUILD)/bin/lgreco-config
+	@mkdir -p $(BUILD)/accuracy
+	$(PYTHON) tests/accuracy/char_lm.py --size full --timeout 14400 --json $(BUILD)/accuracy/full.jsonl
+	$(PYTHON) tests/accuracy/char_lm.py --size full --timeout 14400 --modes uniform --seed 2 --json $(BUILD)/accuracy/full.jsonl
+	$(PYTHON) tests/accuracy/char_lm.py --size full --timeout 14400 --modes uniform --seed 3 --json $(BUILD)/accuracy/full.jsonl
 
 # libFuzzer (clang) over the parsers of user input. The committed corpus (seeds and any
 # input that once crashed) is replayed first; new inputs go to build/fuzz/corpus, and a

@@ -26,7 +26,6 @@ CPUs), LGRECO_MAKEFLAGS (more arguments for make, e.g. "CUDA_HOME=/opt/cuda").
 
 import base64
 import hashlib
-import io
 import json
 import os
 import shlex

@@ -1,0 +1,292 @@
+#!/usr/bin/env python3
+"""Real training through lgreco: a character transformer on the license texts every Debian
+machine has (/usr/share/common-licenses), 4 ranks of DDP on gloo, gradients through
+lgreco's DDP comm hook (lgreco.torch), against no compression.
+
+    /usr/bin/python3 tests/accuracy/char_lm.py --size quick        # make test: ~2 minutes
+    /usr/bin/python3 tests/accuracy/char_lm.py --size full         # make accuracy
+
+Modes (each a separate 4-process job with the same seeds, data order and model):
+  none       DDP's own allreduce (gloo), float32
+  uniform    every compressible layer at quant:bits=4 (LGRECO_MODE=uniform)
+  adaptive   L-GreCo over quant 2..8 bits, alpha 1 (the defaults)
+  topk       L-GreCo over quant 2..8 bits and TopK densities 0.1%..5%
+
+Each job prints its final validation and training loss, the gradient bytes lgreco sent
+(one encoding) over float32's, the mean bits per compressed value, and its wall time;
+the runner prints one summary line per mode (`RESULT mode=... val_loss=...`) and, with
+--check, asserts the quick variant's bounds (docs/PERF.md says where they come from).
+
+The data: each license text (symlinks resolved, each file once) split 90% / 10% by
+position into training and validation text; bytes above 127 map to one symbol. The
+schedule is shortened to fit (LGRECO_WARMUP/PERIOD 20 in quick, 50 in full, the window
+5, the probe's lead 5); the defaults (100/100) would leave a short run no adaptive epochs.
+"""
+
+import argparse
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.normpath(os.path.join(HERE, "..", ".."))
+LICENSES = "/usr/share/common-licenses"
+VOCAB = 129  # bytes 0..127, and one symbol for everything above
+
+SIZES = {
+    # ~0.1M parameters: 3 blocks of width 48; 15 weight matrices (embeddings, q/k/v, attention
+    # output, two MLP layers per block, head).
+    "quick": dict(width=48, blocks=3, heads=4, context=32, batch=16, steps=150, lr=3e-3, schedule=(20, 20, 5, 2, 5)),
+    # ~0.8M parameters.
+    "full": dict(width=128, blocks=4, heads=4, context=128, batch=32, steps=1000, lr=2e-3,
+                 schedule=(50, 50, 5, 2, 5)),
+}
+
+MODES = {
+    "none": None,
+    "uniform": {"LGRECO_MODE": "uniform"},
+    "adaptive": {},
+    "topk": {"LGRECO_CANDIDATES": ";".join(["quant:bits=%d" % b for b in range(2, 9)] +
+                                           ["topk:density=%g" % d for d in (0.001, 0.0025, 0.005, 0.01, 0.02,
+                                                                              0.05)])},
+}
+
+
+def load_text():
+    seen, train, val = set(), bytearray(), bytearray()
+    for name in sorted(os.listdir(LICENSES)):
+        path = os.path.realpath(os.path.join(LICENSES, name))
+        if path in seen or not os.path.isfile(path):
+            continue
+        seen.add(path)
+        with open(path, "rb") as f:
+            data = f.read()
+        cut = int(len(data) * 0.9)
+        train += data[:cut]
+        val += data[cut:]
+    if len(train) < 100000:
+        raise SystemExit("char_lm: %s holds only %d bytes of text" % (LICENSES, len(train)))
+    return train, val
+
+
+def build_model(torch, cfg):
+    nn = torch.nn
+
+    class Block(nn.Module):
+        def __init__(self, width, heads):
+            super().__init__()
+            self.norm1 = nn.LayerNorm(width)
+            self.q = nn.Linear(width, width)
+            self.k = nn.Linear(width, width)
+            self.v = nn.Linear(width, width)
+            self.out = nn.Linear(width, width)
+            self.norm2 = nn.LayerNorm(width)
+            self.fc1 = nn.Linear(width, 4 * width)
+            self.fc2 = nn.Linear(4 * width, width)
+            self.heads = heads
+
+        def forward(self, x, mask):
+            b, t, w = x.shape
+            h = self.norm1(x)
+            split = lambda z: z.view(b, t, self.heads, w // self.heads).transpose(1, 2)  # noqa: E731
+            q, k, v = split(self.q(h)), split(self.k(h)), split(self.v(h))
+            att = (q @ k.transpose(-2, -1)) / math.sqrt(w // self.heads)
+            att = att.masked_fill(mask[:t, :t], float("-inf")).softmax(-1)
+            x = x + self.out((att @ v).transpose(1, 2).reshape(b, t, w))
+            return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm2(x))))
+
+    class CharLM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            w = cfg["width"]
+            self.embed = nn.Embedding(VOCAB, w)
+            self.position = nn.Embedding(cfg["context"], w)
+            self.blocks = nn.ModuleList(Block(w, cfg["heads"]) for _ in range(cfg["blocks"]))
+            self.norm = nn.LayerNorm(w)
+            self.head = nn.Linear(w, VOCAB)
+            # A plain attribute, not a buffer: DDP would broadcast it, and gloo has no bool.
+            self.mask = torch.triu(torch.ones(cfg["context"], cfg["context"], dtype=torch.bool), 1)
+
+        def forward(self, idx):
+            x = self.embed(idx) + self.position(torch.arange(idx.shape[1]))
+            for block in self.blocks:
+                x = block(x, self.mask)
+            return self.head(self.norm(x))
+
+    return CharLM()
+
+
+def rank_main(args):
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    cfg = SIZES[args.size]
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    train, val = load_text()
+    to_tensor = lambda b: torch.tensor([min(c, 128) for c in b], dtype=torch.long)  # noqa: E731
+    train_t, val_t = to_tensor(train), to_tensor(val)
+    torch.manual_seed(args.seed)
+    model = build_model(torch, cfg)
+    ddp = DDP(model)
+    state = None
+    if args.mode != "none":
+        sys.path.insert(0, os.path.join(REPO, "python"))
+        from lgreco.torch import CommHookState, comm_hook
+        state = CommHookState(ddp)
+        ddp.register_comm_hook(state, comm_hook)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=cfg["lr"], weight_decay=0.01) if args.optimizer == "adamw" else \
+        torch.optim.SGD(ddp.parameters(), lr=cfg["lr"] * 100, momentum=0.9)
+    ctx, batch = cfg["context"], cfg["batch"]
+    # The same data order in every mode: batch k of rank r from one generator per (seed, rank).
+    gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
+    losses = []
+    start = time.time()
+    for step in range(cfg["steps"]):
+        starts = torch.randint(0, len(train_t) - ctx - 1, (batch,), generator=gen)
+        x = torch.stack([train_t[s:s + ctx] for s in starts])
+        y = torch.stack([train_t[s + 1:s + ctx + 1] for s in starts])
+        loss = torch.nn.functional.cross_entropy(ddp(x).reshape(-1, VOCAB), y.reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    wall = time.time() - start
+    # Validation: the same fixed windows on every rank, with the (identical) model.
+    model.eval()
+    with torch.no_grad():
+        vgen = torch.Generator().manual_seed(12345)
+        starts = torch.randint(0, len(val_t) - ctx - 1, (64,), generator=vgen)
+        x = torch.stack([val_t[s:s + ctx] for s in starts])
+        y = torch.stack([val_t[s + 1:s + ctx + 1] for s in starts])
+        val_loss = float(torch.nn.functional.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1)))
+    result = {"mode": args.mode, "rank": rank, "val_loss": val_loss,
+              "train_loss": sum(losses[-20:]) / len(losses[-20:]), "wall_s": wall,
+              "parameters": sum(p.numel() for p in model.parameters()),
+              "weight_sum": float(sum(p.double().sum() for p in model.parameters())),
+              "losses": losses[::max(1, len(losses) // 100)]}
+    if state is not None:
+        c = state.counters() or {}
+        result.update(c)
+        if c.get("uncompressed_bytes"):
+            result["bytes_vs_fp32"] = c["encoded_bytes"] / c["uncompressed_bytes"]
+            result["bits_per_value"] = 32 * c["encoded_bytes"] / c["uncompressed_bytes"]
+        result["hook_calls_through_process_group"] = state.passed_through_calls
+        state.close()
+    print("RANK_RESULT " + json.dumps(result), flush=True)
+    dist.destroy_process_group()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_mode(args, mode):
+    cfg = SIZES[args.size]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LGRECO_")}
+    warmup, period, window, lag, lead = cfg["schedule"]
+    env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(args.ranks),
+                "LGRECO_WARMUP": str(warmup), "LGRECO_PERIOD": str(period), "LGRECO_WINDOW": str(window),
+                "LGRECO_SWITCH_LAG": str(lag), "LGRECO_PROBE_LEAD": str(lead), "OMP_NUM_THREADS": "1"})
+    env.update(MODES[mode] or {})
+    procs = []
+    for r in range(args.ranks):
+        e = dict(env, RANK=str(r), LOCAL_RANK=str(r))
+        cmd = [sys.executable, __file__, "--rank-main", "--mode", mode, "--size", args.size, "--seed", str(args.seed),
+               "--optimizer", args.optimizer]
+        procs.append(subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    results, logs = [], []
+    deadline = time.time() + args.timeout
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=max(1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise SystemExit("char_lm: mode %s did not finish within %d s" % (mode, args.timeout))
+        logs.append(out)
+        if p.returncode != 0:
+            raise SystemExit("char_lm: mode %s, a rank exited %d:\n%s" % (mode, p.returncode, out[-3000:]))
+        for line in out.splitlines():
+            if line.startswith("RANK_RESULT "):
+                results.append(json.loads(line[len("RANK_RESULT "):]))
+    if len(results) != args.ranks:
+        raise SystemExit("char_lm: mode %s: %d of %d ranks reported" % (mode, len(results), args.ranks))
+    return results, logs
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", choices=sorted(SIZES), default="quick")
+    p.add_argument("--modes", default="none,uniform,adaptive,topk")
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    p.add_argument("--timeout", type=int, default=900, help="seconds per mode")
+    p.add_argument("--json", help="append each mode's summary as a JSON line to this file")
+    p.add_argument("--check", action="store_true", help="assert the quick variant's bounds")
+    p.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--mode", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.rank_main:
+        return rank_main(args)
+    summary = {}
+    for mode in args.modes.split(","):
+        if mode not in MODES:
+            raise SystemExit("char_lm: unknown mode %r (modes: %s)" % (mode, ", ".join(MODES)))
+        results, _ = run_mode(args, mode)
+        r0 = results[0]
+        same = len({r["weight_sum"] for r in results}) == 1
+        line = {"mode": mode, "size": args.size, "seed": args.seed, "optimizer": args.optimizer,
+                "val_loss": r0["val_loss"], "train_loss": r0["train_loss"],
+                "bytes_vs_fp32": r0.get("bytes_vs_fp32", 1.0), "bits_per_value": r0.get("bits_per_value", 32.0),
+                "compressed_calls": r0.get("compressed_calls", 0), "calls": r0.get("calls", 0),
+                "wall_s": max(r["wall_s"] for r in results), "parameters": r0["parameters"],
+                "ranks_identical": same, "losses": r0["losses"]}
+        summary[mode] = line
+        print("RESULT mode=%s val_loss=%.4f train_loss=%.4f bytes_vs_fp32=%.4f bits_per_value=%.2f "
+              "compressed_calls=%d/%d wall_s=%.1f parameters=%d ranks_identical=%s" %
+              (mode, line["val_loss"], line["train_loss"], line["bytes_vs_fp32"], line["bits_per_value"],
+               line["compressed_calls"], line["calls"], line["wall_s"], line["parameters"], same), flush=True)
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(line) + "\n")
+    if args.check:
+        return check(summary)
+    return 0
+
+
+def check(summary):
+    """The quick variant's bounds (docs/PERF.md, "Real training")."""
+    failures = []
+    none = summary.get("none")
+    for mode, s in summary.items():
+        if not s["ranks_identical"]:
+            failures.append("%s: the ranks' weights differ" % mode)
+        if not math.isfinite(s["val_loss"]):
+            failures.append("%s: validation loss %r" % (mode, s["val_loss"]))
+        if mode != "none":
+            if s["compressed_calls"] < s["calls"] * 0.9 or s["calls"] == 0:
+                failures.append("%s: %d of %d calls compressed" % (mode, s["compressed_calls"], s["calls"]))
+            if none and s["val_loss"] > none["val_loss"] * 1.05:
+                failures.append("%s: validation loss %.4f, more than 5%% above no compression's %.4f" %
+                                (mode, s["val_loss"], none["val_loss"]))
+    uniform, adaptive = summary.get("uniform"), summary.get("adaptive")
+    if uniform and adaptive and not adaptive["bytes_vs_fp32"] < uniform["bytes_vs_fp32"]:
+        failures.append("adaptive sent %.4f of float32's bytes, not fewer than uniform's %.4f" %
+                        (adaptive["bytes_vs_fp32"], uniform["bytes_vs_fp32"]))
+    for f in failures:
+        print("FAIL " + f)
+    print("char_lm check: %s" % ("FAILED" if failures else "passed"))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
