@@ -4,6 +4,7 @@
 #include "plugin/hook/lgreco_hook.h"
 
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <exception>
 #include <string>
@@ -13,6 +14,15 @@
 #include "plugin/hook/session.h"
 
 namespace {
+
+// No std::to_string here: its inline digit table would become a unique global symbol of
+// this object, which is linked into the library directly and so exported
+// (library_test's list of exports catches it).
+std::string number(long long v) {
+  char text[32];
+  snprintf(text, sizeof text, "%lld", v);
+  return text;
+}
 
 void set_message(char* buf, size_t len, const std::string& text) {
   if (!buf || len == 0) return;
@@ -37,7 +47,7 @@ LGRECO_HOOK_API lgreco_hook_session* lgreco_hook_open(int rank, int world_size, 
   try {
     if (!master_host || !layout_json) throw std::runtime_error("null master_host or layout_json");
     if (master_port < 1 || master_port > 65535)
-      throw std::runtime_error("rendezvous port " + std::to_string(master_port) + " is not a port");
+      throw std::runtime_error("rendezvous port " + number(master_port) + " is not a port");
     const lgreco::config::Params& params = lgreco::config::params();
     lgreco::hook::SessionOptions o;
     o.rank = rank;
@@ -64,7 +74,7 @@ LGRECO_HOOK_API int lgreco_hook_allreduce_mean(lgreco_hook_session* s, uint32_t 
     return LGRECO_HOOK_ERROR;
   }
   if (dtype < 0 || dtype > 2) {
-    set_message(message, message_len, "dtype " + std::to_string(dtype) + " (0 float32, 1 float16, 2 bfloat16)");
+    set_message(message, message_len, "dtype " + number(dtype) + " (0 float32, 1 float16, 2 bfloat16)");
     return LGRECO_HOOK_ERROR;
   }
   try {

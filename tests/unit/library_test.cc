@@ -68,14 +68,17 @@ BOOST_AUTO_TEST_CASE(exports_only_its_public_entry_points) {
   std::string address, type, name;
   while (lines >> address >> type >> name) names.insert(name);
   // lgreco_version, the NCCL calls the shim interposes (plugin/shim/entry_points.cc), and
-  // the net-plugin tables NCCL looks up (plugin/net/exports.cc).
+  // the net-plugin tables NCCL looks up (plugin/net/exports.cc), and the comm hook's C ABI
+  // (plugin/hook/lgreco_hook.h).
   const std::set<std::string> expected{"lgreco_version",   "ncclAllGather",     "ncclAllReduce",   "ncclAlltoAll",
                                        "ncclBcast",        "ncclBroadcast",     "ncclCommAbort",   "ncclCommDestroy",
                                        "ncclCommFinalize", "ncclGather",        "ncclGetLastError", "ncclGroupEnd",
                                        "ncclGroupSimulateEnd", "ncclGroupStart", "ncclRecv",        "ncclReduce",
                                        "ncclReduceScatter", "ncclScatter",      "ncclSend",
                                        "ncclNetPlugin_v8", "ncclNetPlugin_v9", "ncclNetPlugin_v10",
-                                       "ncclNetPlugin_v11"};
+                                       "ncclNetPlugin_v11", "lgreco_hook_abi_version", "lgreco_hook_open",
+                                       "lgreco_hook_allreduce_mean", "lgreco_hook_counters", "lgreco_hook_summary",
+                                       "lgreco_hook_close"};
   BOOST_TEST((names == expected), r.output);
   // The NCCL plugin name is the same library.
   const auto plugin = std::filesystem::path(library_path()).parent_path() / "libnccl-net-lgreco.so";
