@@ -166,7 +166,8 @@ def get_requires_for_build_editable(config_settings=None):
     return []
 
 
-def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
+def _build(wheel_directory, add_payload):
+    """make, then a wheel of add_payload(wheel, root, info)'s files and the metadata."""
     try:
         root = _root()
         _make(root)
@@ -175,19 +176,7 @@ def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
         dist_info = _dist_info(info)
         path = os.path.join(wheel_directory, name)
         wheel = _Wheel(path)
-        for arcname, full in _python_sources(root):
-            with open(full, "rb") as f:
-                wheel.add(arcname, f.read())
-        build_info = {k: info[k] for k in ("version", "git", "variant", "nccl_header", "cuda_runtime", "driver_required")}
-        build_info["wheel_version"] = info["wheel_version"]
-        wheel.add(NAME + "/_build_info.json", (json.dumps(build_info, indent=1, sort_keys=True) + "\n").encode())
-        with tempfile.TemporaryDirectory(prefix="lgreco-wheel-") as tmp:
-            for src, arcname, executable in ((LIBRARY, NAME + "/_lib/liblgreco.so", True),
-                                             (CONFIG_TOOL, NAME + "/_bin/lgreco-config", True)):
-                stripped = os.path.join(tmp, os.path.basename(src))
-                _strip(os.path.join(root, src), stripped)
-                with open(stripped, "rb") as f:
-                    wheel.add(arcname, f.read(), executable=executable)
+        add_payload(wheel, root, info)
         wheel.add(dist_info + "/METADATA", _metadata(info).encode())
         wheel.add(dist_info + "/WHEEL", _wheel_text().encode())
         wheel.add(dist_info + "/entry_points.txt", ENTRY_POINTS.encode())
@@ -199,23 +188,32 @@ def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
         raise SystemExit("error: %s" % e) from None
 
 
+def _installed_payload(wheel, root, info):
+    for arcname, full in _python_sources(root):
+        with open(full, "rb") as f:
+            wheel.add(arcname, f.read())
+    build_info = {k: info[k] for k in ("version", "git", "variant", "nccl_header", "cuda_runtime", "driver_required")}
+    build_info["wheel_version"] = info["wheel_version"]
+    wheel.add(NAME + "/_build_info.json", (json.dumps(build_info, indent=1, sort_keys=True) + "\n").encode())
+    with tempfile.TemporaryDirectory(prefix="lgreco-wheel-") as tmp:
+        for src, arcname in ((LIBRARY, NAME + "/_lib/liblgreco.so"), (CONFIG_TOOL, NAME + "/_bin/lgreco-config")):
+            stripped = os.path.join(tmp, os.path.basename(src))
+            _strip(os.path.join(root, src), stripped)
+            with open(stripped, "rb") as f:
+                wheel.add(arcname, f.read(), executable=True)
+
+
+def _editable_payload(wheel, root, info):
+    wheel.add("__editable__.%s.pth" % NAME, (os.path.join(root, "python") + "\n").encode())
+
+
+def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
+    return _build(wheel_directory, _installed_payload)
+
+
 def build_editable(wheel_directory, config_settings=None, metadata_directory=None):
     """`pip install -e .`: a .pth file puts python/ on the path; the library is build/lib's."""
-    try:
-        root = _root()
-        _make(root)
-        info = _build_info(root)
-        name = "%s-%s-%s.whl" % (NAME, info["wheel_version"], TAG)
-        dist_info = _dist_info(info)
-        wheel = _Wheel(os.path.join(wheel_directory, name))
-        wheel.add("__editable__.%s.pth" % NAME, (os.path.join(root, "python") + "\n").encode())
-        wheel.add(dist_info + "/METADATA", _metadata(info).encode())
-        wheel.add(dist_info + "/WHEEL", _wheel_text().encode())
-        wheel.add(dist_info + "/entry_points.txt", ENTRY_POINTS.encode())
-        wheel.close(dist_info + "/RECORD")
-        return name
-    except BuildError as e:
-        raise SystemExit("error: %s" % e) from None
+    return _build(wheel_directory, _editable_payload)
 
 
 def build_sdist(sdist_directory, config_settings=None):

@@ -22,6 +22,7 @@ import os
 import socket
 
 from . import LgrecoError
+from .register import _FILE_DTYPES  # the registration file's dtype names
 from .register import Registration, RegisterError, bucket_layout, register_ddp, registration, write_registration
 
 __all__ = ["register_ddp", "Registration", "RegisterError", "bucket_layout", "registration", "write_registration",
@@ -31,7 +32,6 @@ __all__ = ["register_ddp", "Registration", "RegisterError", "bucket_layout", "re
 # buckets after the first (torch's own PowerSGD hook likewise starts at iteration 2 or later).
 _LAYOUT_ITERATION = 1
 _DTYPE_CODES = {"torch.float32": 0, "torch.float16": 1, "torch.bfloat16": 2}
-_FILE_DTYPES = {"torch.float32": "float32", "torch.float16": "float16", "torch.bfloat16": "bfloat16"}
 
 
 def _free_port():
