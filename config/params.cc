@@ -205,11 +205,16 @@ const ParamInfo kParamTable[] = {
      [](Params& p, const std::string& v) {
        return parse_choice(v, {std::pair{"size", std::string("size")}, {"time", std::string("time")}}, &p.objective);
      }},
-    {"LGRECO_ERROR_METRIC", "squared", "`squared`, `l2`",
-     "How a layer's compression error is measured: ||x - C(x)||^2 (additive across layers) or ||x - C(x)|| "
-     "(the paper's).",
+    {"LGRECO_ERROR_METRIC", "normalized", "`normalized`, `squared`, `l2`",
+     "How layers' compression errors add up in the budget: `normalized` each layer's squared error relative to "
+     "its gradient's energy per value, times its values (what an Adam-family optimizer's per-coordinate "
+     "normalisation sees; no layer above 4x the defaults' mean relative error); `squared` ||x - C(x)||^2 "
+     "(the absolute error, for SGD); `l2` ||x - C(x)|| (the paper's).",
      [](Params& p, const std::string& v) {
-       return parse_choice(v, {std::pair{"squared", std::string("squared")}, {"l2", std::string("l2")}},
+       return parse_choice(v,
+                           {std::pair{"normalized", std::string("normalized")},
+                            {"squared", std::string("squared")},
+                            {"l2", std::string("l2")}},
                            &p.error_metric);
      }},
     {"LGRECO_WARMUP", "100", "a whole number >= 2",

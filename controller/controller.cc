@@ -224,19 +224,21 @@ void Controller::run() {
 WindowReading Controller::read_window(const ErrorStats& stats) const {
   WindowReading r;
   double defaults = 0;
+  const std::vector<double> weight = weights_of(stats);
   for (size_t l = 0; l < layers_.size(); ++l) {
-    if (stats.samples(l) == 0) continue;
-    r.realized += stats.realized_mean(l, in_effect_[l]);
+    if (stats.samples(l) == 0 || weight[l] == 0) continue;
+    const double w = weight[l];
+    r.realized += w * stats.realized_mean(l, in_effect_[l]);
     // What the solve that chose the assignment in effect predicted for it (the defaults'
     // estimate in this window before the first solve).
     // Its error over the window's steps, which lie late in the epoch: a transient's rise
     // or fall is mostly done there (comparing with the epoch's mean would read a TopK
     // epoch's rise as the model's bias).
     const ScheduleSettings& s = settings_.schedule;
-    r.predicted += chosen_[l] ? mean_error(*chosen_[l], s.period - s.window - s.switch_lag + 1, s.window) *
-                                    chosen_drift_[l]
-                              : stats.mean(l, in_effect_[l]);
-    defaults += stats.mean(l, layers_[l].default_index);
+    r.predicted += w * (chosen_[l] ? mean_error(*chosen_[l], s.period - s.window - s.switch_lag + 1, s.window) *
+                                         chosen_drift_[l]
+                                   : stats.mean(l, in_effect_[l]));
+    defaults += w * stats.mean(l, layers_[l].default_index);
   }
   r.budget = settings_.alpha * defaults;
   return r;
@@ -401,36 +403,100 @@ double Controller::topk_correlation(const ErrorStats& stats, size_t layer) const
   return *pooled_topk_correlation_;
 }
 
-Problem Controller::problem_from(const Job& job, std::span<const double> drift) const {
+std::vector<double> Controller::weights_of(const ErrorStats& stats) const {
+  std::vector<double> weight(layers_.size(), 1.0);
+  if (settings_.metric != ErrorMetric::kNormalized) return weight;
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    const double m = stats.magnitude_mean(l), n = static_cast<double>(layers_[l].numel);
+    const double w = (n / m) * (n / m);
+    weight[l] = m > 0 && std::isfinite(w) ? w : 0.0;
+  }
+  return weight;
+}
+
+double Controller::relative_of(const ErrorStats& stats, size_t layer, double error) const {
+  const double m = stats.magnitude_mean(layer), n = static_cast<double>(layers_[layer].numel);
+  const double r = error * n / (m * m);
+  return m > 0 && std::isfinite(r) ? r : 0.0;
+}
+
+Controller::Built Controller::problem_from(const Job& job, std::span<const double> drift,
+                                           std::span<const double> weight) const {
   const ErrorStats& stats = job.stats;
   double steady_defaults = 0, epoch_defaults = 0;
-  Problem p;
+  Built built;
+  Problem& p = built.problem;
   p.alpha = alpha_eff_;
   p.objective = settings_.objective;
   p.cost_model = job.cost_model;
   p.layers = layers_;
+  built.index.resize(p.layers.size());
+  built.measured.assign(p.layers.size(), 0);
+  built.relative_bound.assign(p.layers.size(), 0.0);
   for (size_t l = 0; l < p.layers.size(); ++l) {
     Layer& layer = p.layers[l];
-    if (stats.samples(l) == 0) {
-      // Nothing measured (every sample overflowed, or the layer was not reached): it
-      // keeps its default and adds nothing to the budget.
+    if (stats.samples(l) == 0 || weight[l] == 0) {
+      // Nothing measured (every sample overflowed, or the layer was not reached; for the
+      // normalized metric, no magnitude): it keeps its default and adds nothing to the
+      // budget.
       Candidate keep = layer.candidates[layer.default_index];
       keep.error = 0;
+      built.index[l].assign(1, layer.default_index);
       layer.candidates.assign(1, keep);
       layer.default_index = 0;
       continue;
     }
+    built.measured[l] = 1;
     for (uint32_t c = 0; c < layer.candidates.size(); ++c) {
       const Transient x = transient_of(job, l, c);
-      layer.candidates[c].error = mean_error(x, 0, settings_.schedule.period) * drift[l];
-      if (c == layer.default_index) steady_defaults += x.steady * drift[l], epoch_defaults += layer.candidates[c].error;
+      built.index[l].push_back(c);
+      layer.candidates[c].error = mean_error(x, 0, settings_.schedule.period) * drift[l] * weight[l];
+      if (c == layer.default_index)
+        steady_defaults += x.steady * drift[l] * weight[l], epoch_defaults += layer.candidates[c].error;
     }
   }
   // The budget is the default's error as a uniform run has it, in its own steady state:
   // alpha is rescaled so that alpha x the defaults' epoch errors (with their transients,
   // where a layer is not at its default now) is alpha_eff x their steady errors.
   if (epoch_defaults > 0 && steady_defaults > 0) p.alpha = alpha_eff_ * steady_defaults / epoch_defaults;
-  return p;
+  if (settings_.metric == ErrorMetric::kNormalized && settings_.relative_cap > 0) cap_relative_errors(built);
+  return built;
+}
+
+// The normalized metric's cap: a weighted error is numel x the layer's relative error, so
+// the defaults' mean relative error per value is their weighted errors over their values.
+// A candidate above alpha_eff x max(cap x that mean, the layer's own default's) leaves the
+// problem; the default always stays.
+void Controller::cap_relative_errors(Built& built) const {
+  Problem& p = built.problem;
+  double defaults = 0, values = 0;
+  for (size_t l = 0; l < p.layers.size(); ++l) {
+    if (!built.measured[l]) continue;
+    defaults += p.layers[l].candidates[p.layers[l].default_index].error;
+    values += static_cast<double>(layers_[l].numel);
+  }
+  if (!(defaults > 0) || !(values > 0)) return;
+  const double mean = defaults / values;
+  for (size_t l = 0; l < p.layers.size(); ++l) {
+    if (!built.measured[l]) continue;
+    Layer& layer = p.layers[l];
+    const double n = static_cast<double>(layers_[l].numel);
+    const double own = layer.candidates[layer.default_index].error / n;
+    const double bound = alpha_eff_ * std::max(settings_.relative_cap * mean, own);
+    built.relative_bound[l] = bound;
+    std::vector<Candidate> kept;
+    std::vector<uint32_t> index;
+    uint32_t default_index = 0;
+    for (uint32_t c = 0; c < layer.candidates.size(); ++c) {
+      if (c != layer.default_index && layer.candidates[c].error / n > bound) continue;
+      if (c == layer.default_index) default_index = static_cast<uint32_t>(kept.size());
+      kept.push_back(layer.candidates[c]);
+      index.push_back(built.index[l][c]);
+    }
+    layer.candidates = std::move(kept);
+    layer.default_index = default_index;
+    built.index[l] = std::move(index);
+  }
 }
 
 std::shared_ptr<const Assignment> Controller::solve_job(const Job& job) {
@@ -440,9 +506,10 @@ std::shared_ptr<const Assignment> Controller::solve_job(const Job& job) {
     const WindowReading reading = read_window(job.stats);
     update_loop(reading);
     const std::vector<double> drift = drift_of(job.stats, job.window_last_step);
+    const std::vector<double> weight = weights_of(job.stats);
     for (size_t l = 0; l < layers_.size(); ++l) last_magnitude_[l] = job.stats.magnitude_mean(l);
     last_middle_ = window_middle(job.window_last_step);
-    return solve_and_log(job, reading, drift);
+    return solve_and_log(job, reading, drift, weight);
   } catch (const std::exception& e) {
     return failed(job, e.what());
   } catch (...) {
@@ -466,8 +533,10 @@ std::shared_ptr<const Assignment> Controller::failed(const Job& job, const char*
 }
 
 std::shared_ptr<const Assignment> Controller::solve_and_log(const Job& job, const WindowReading& reading,
-                                                            std::span<const double> drift) {
-  const Problem problem = problem_from(job, drift);
+                                                            std::span<const double> drift,
+                                                            std::span<const double> weight) {
+  const Built built = problem_from(job, drift, weight);
+  const Problem& problem = built.problem;
   const auto start = std::chrono::steady_clock::now();
   Solution solution = solve_(problem, settings_.solver);
   const double solve_ms = ms_since(start);
@@ -476,12 +545,12 @@ std::shared_ptr<const Assignment> Controller::solve_and_log(const Job& job, cons
   auto assignment = std::make_shared<Assignment>();
   assignment->epoch = job.epoch;
   assignment->effective_step = job.effective_step;
-  assignment->choices = solution.choices;
+  assignment->choices.resize(layers_.size());
   uint64_t min_samples = UINT64_MAX;
   for (size_t l = 0; l < layers_.size(); ++l) {
     min_samples = std::min(min_samples, job.stats.samples(l));
-    if (problem.layers[l].candidates.size() != layers_[l].candidates.size())
-      assignment->choices[l] = layers_[l].default_index;  // the one-candidate stand-in
+    if (solution.choices[l] >= built.index[l].size()) throw std::logic_error("the solver chose no offered candidate");
+    assignment->choices[l] = built.index[l][solution.choices[l]];  // the layer's own index
   }
   if (layers_.empty()) min_samples = 0;
   assignment->alpha_eff = alpha_eff_;
@@ -489,20 +558,26 @@ std::shared_ptr<const Assignment> Controller::solve_and_log(const Job& job, cons
   assignment->window = reading;
   assignment->drift.assign(drift.begin(), drift.end());
   // Per layer, what the solve knew of its choice: the prediction the epoch is judged
-  // against, and for the next window's reading its transient and drift.
+  // against (in squared error, the metric's weight taken off), and for the next window's
+  // reading its transient and drift.
   assignment->predicted.assign(layers_.size(), 0.0);
+  assignment->relative.assign(layers_.size(), 0.0);
+  assignment->relative_bound = built.relative_bound;
   std::vector<std::optional<Transient>> chosen(layers_.size());
   for (size_t l = 0; l < layers_.size(); ++l) {
-    const std::vector<Candidate>& candidates = problem.layers[l].candidates;
-    if (candidates.size() != layers_[l].candidates.size()) continue;  // not measured
+    if (!built.measured[l]) continue;
     const uint32_t c = assignment->choices[l];
-    assignment->predicted[l] = candidates[c].error;
+    assignment->predicted[l] = problem.layers[l].candidates[solution.choices[l]].error / weight[l];
+    assignment->relative[l] = relative_of(job.stats, l, assignment->predicted[l]);
     chosen[l] = transient_of(job, l, c);
   }
 
   if (decision_log_) {
-    std::vector<double> realized;
-    for (size_t l = 0; l < layers_.size(); ++l) realized.push_back(job.stats.realized_mean(l, in_effect_[l]));
+    std::vector<double> realized, window_relative;
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      realized.push_back(job.stats.realized_mean(l, in_effect_[l]));
+      window_relative.push_back(relative_of(job.stats, l, realized.back()));
+    }
     DecisionContext context;
     context.epoch = job.epoch;
     context.stats_last_step = job.window_last_step;
@@ -514,8 +589,12 @@ std::shared_ptr<const Assignment> Controller::solve_and_log(const Job& job, cons
     context.window_realized = reading.realized;
     context.window_predicted = reading.predicted;
     context.window_budget = reading.budget;
+    context.metric = metric_name(settings_.metric);
     context.layer_realized = &realized;
     context.layer_drift = drift;
+    context.layer_relative = assignment->relative;
+    context.layer_window_relative = window_relative;
+    context.layer_relative_bound = assignment->relative_bound;
     const std::string line = decision_json(context, problem, solution, solve_ms);
     fprintf(decision_log_, "%s\n", line.c_str());
     fflush(decision_log_);

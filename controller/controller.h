@@ -94,6 +94,11 @@ struct ControllerSettings {
   std::string decision_log_path;
   // The closed loop on the realized error (above); off: every solve uses alpha.
   bool budget_loop = true;
+  // Under ErrorMetric::kNormalized, no layer's relative error (below) above alpha_eff x
+  // max(relative_cap x the defaults' mean relative error, its own default's): a candidate
+  // beyond it is not offered to the solver (docs/CONTROLLER.md, "What the optimizer
+  // sees"). 0: no cap.
+  double relative_cap = 4;
 };
 
 // The loop's reading of one window (all in the statistics' metric, summed over layers).
@@ -117,6 +122,10 @@ struct Assignment {
   // (the estimate carried through the switch's transient, times the drift); 0 where the
   // layer was not measured. What the realized error of the epoch is to be judged against.
   std::vector<double> predicted;
+  // Per layer: the same as an error relative to the gradient's energy per coordinate,
+  // predicted x numel / magnitude^2 (magnitude: the window's sum |g| in the output's
+  // units), and the bound the solve held it to (0: no bound; not measured: both 0).
+  std::vector<double> relative, relative_bound;
 };
 
 class Controller {
@@ -172,7 +181,23 @@ class Controller {
   };
 
   void run();
-  Problem problem_from(const Job& job, std::span<const double> drift) const;
+  // The problem of a window: per layer the candidates offered to the solver (index: the
+  // layer's candidate index of each; a layer not measured offers its default alone) and
+  // the relative-error bound applied (0: none).
+  struct Built {
+    Problem problem;
+    std::vector<std::vector<uint32_t>> index;
+    std::vector<uint8_t> measured;
+    std::vector<double> relative_bound;
+  };
+  void cap_relative_errors(Built& built) const;
+  Built problem_from(const Job& job, std::span<const double> drift, std::span<const double> weight) const;
+  // The metric's weight of one unit of each layer's squared error: 1 for the absolute
+  // metrics; numel^2 / magnitude^2 for kNormalized, 0 where the window measured no
+  // magnitude (the layer then keeps its default and adds nothing to the budget).
+  std::vector<double> weights_of(const ErrorStats& stats) const;
+  // error x numel / magnitude^2 of the window (0 where no magnitude was measured).
+  double relative_of(const ErrorStats& stats, size_t layer, double error) const;
   std::vector<double> drift_of(const ErrorStats& stats, uint64_t window_last) const;
   // A candidate's error after a switch to it (controller.cc, mean_error): its estimate in
   // its own state, on the state now, and on the gradient alone, per step; the age of the
@@ -197,7 +222,7 @@ class Controller {
   double window_middle(uint64_t last) const;
   std::shared_ptr<const Assignment> solve_job(const Job& job);  // never throws
   std::shared_ptr<const Assignment> solve_and_log(const Job& job, const WindowReading& reading,
-                                                  std::span<const double> drift);
+                                                  std::span<const double> drift, std::span<const double> weight);
   std::shared_ptr<const Assignment> failed(const Job& job, const char* what);
   // The closed loop's step for a window: reads it and updates alpha_eff_.
   WindowReading read_window(const ErrorStats& stats) const;

@@ -143,6 +143,7 @@ std::string decision_json(const DecisionContext& context, const Problem& problem
   out["alpha"] = context.alpha;
   out["alpha_eff"] = context.alpha_eff;
   out["loop_bias"] = context.loop_bias;
+  if (context.metric) out["metric"] = context.metric;
   out["window"] = {{"realized", context.window_realized},
                    {"predicted", context.window_predicted},
                    {"budget", context.window_budget}};
@@ -155,6 +156,10 @@ std::string decision_json(const DecisionContext& context, const Problem& problem
     ordered layer = {{"name", problem.layers[l].name}, {"codec", c.codec}, {"bytes", c.bytes}, {"error", c.error}};
     if (context.layer_realized) layer["window_realized"] = (*context.layer_realized)[l];
     if (!context.layer_drift.empty()) layer["drift"] = context.layer_drift[l];
+    if (!context.layer_relative.empty()) layer["relative"] = context.layer_relative[l];
+    if (!context.layer_window_relative.empty()) layer["window_relative"] = context.layer_window_relative[l];
+    if (!context.layer_relative_bound.empty() && context.layer_relative_bound[l] > 0)
+      layer["relative_bound"] = context.layer_relative_bound[l];
     layers.push_back(std::move(layer));
   }
   out["layers"] = std::move(layers);

@@ -32,8 +32,13 @@ struct DecisionContext {
   // window's measurements of the assignment in effect during it.
   double alpha = 1, alpha_eff = 1, loop_bias = 1;
   double window_realized = 0, window_predicted = 0, window_budget = 0;
+  const char* metric = nullptr;                         // the error metric's name, or null
   const std::vector<double>* layer_realized = nullptr;  // per layer, or null
   std::span<const double> layer_drift;                  // per layer, or empty
+  // Per layer, or empty: the choice's predicted and the window's realized error relative
+  // to the gradient's energy per coordinate (controller.h, Assignment::relative), and the
+  // bound the solve held the first to (0: none).
+  std::span<const double> layer_relative, layer_window_relative, layer_relative_bound;
 };
 
 // One line (no newline): the context, the solution summary and, per layer, the chosen

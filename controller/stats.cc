@@ -11,6 +11,7 @@ const char* metric_name(ErrorMetric metric) {
   switch (metric) {
     case ErrorMetric::kSquaredL2: return "squared";
     case ErrorMetric::kL2: return "l2";
+    case ErrorMetric::kNormalized: return "normalized";
   }
   return "?";
 }
@@ -22,6 +23,10 @@ bool parse_metric(std::string_view text, ErrorMetric* metric) {
   }
   if (text == "l2") {
     *metric = ErrorMetric::kL2;
+    return true;
+  }
+  if (text == "normalized") {
+    *metric = ErrorMetric::kNormalized;
     return true;
   }
   return false;
@@ -68,6 +73,8 @@ bool ErrorStats::add(size_t layer, const Sample& s) {
     data_[samples_offset_ + layers() + layer] += 1;
     return false;
   }
+  // kNormalized sums squared errors too: its weights come from the window's magnitudes,
+  // which only the whole window knows (Controller, metric_weight).
   const auto metric = [this](double e) { return metric_ == ErrorMetric::kL2 ? std::sqrt(e) : e; };
   for (uint32_t c = 0; c < n; ++c) {
     data_[first_[layer] + c] += metric(s.measured[c]);

@@ -34,6 +34,12 @@
 //     the squared error of the whole gradient, so the budget bounds exactly the variance
 //     the compression adds to the model's update.
 //   kL2: ||x - C(x)||, the paper's and its reference code's choice.
+//   kNormalized (the library's default, config/params.cc): ||x - C(x)||^2 summed as
+//     kSquaredL2 is; the controller then weighs each layer by n^2 / m^2 (n its elements,
+//     m its magnitude sum |g|), which turns a layer's squared error into n times its error
+//     relative to its gradient's energy per coordinate: what the error adds to an update
+//     that Adam-family optimizers normalise per coordinate (docs/CONTROLLER.md, "What the
+//     optimizer sees").
 #pragma once
 
 #include <cstdint>
@@ -43,7 +49,7 @@
 
 namespace lgreco::controller {
 
-enum class ErrorMetric { kSquaredL2, kL2 };
+enum class ErrorMetric { kSquaredL2, kL2, kNormalized };
 const char* metric_name(ErrorMetric metric);
 bool parse_metric(std::string_view text, ErrorMetric* metric);
 

@@ -1076,10 +1076,14 @@ void Engine::measure_whole_layers(BucketState& b, const EngineCall& call, Sample
   measure_magnitude(b, call, sample);
 }
 
-// Each layer's gradient magnitude sum |g| on this rank, for the drift.
+// Each layer's gradient magnitude sum |g| on this rank, for the drift and the normalized
+// metric's weights; in the output's units, as the errors are (over P under ncclAvg), so
+// that error x numel / magnitude^2 over the ranks' sum is the error relative to the
+// gradient's energy per coordinate whatever the op.
 void Engine::measure_magnitude(BucketState& b, const EngineCall& call, Sample& sample) {
   const ElementSpan input{const_cast<void*>(call.send), call.dtype, 0};
-  backend_.distance(b.whole.segments, input, nullptr, 1, 1.0, sample.magnitude, sample.measure.nonfinite);
+  const double weight = call.op == ReduceOp::kAvg ? 1.0 / fabric_.size() : 1.0;
+  backend_.distance(b.whole.segments, input, nullptr, 1, weight, sample.magnitude, sample.measure.nonfinite);
 }
 
 // Low-rank candidates, on every adaptive matrix layer that has one: each rank's own

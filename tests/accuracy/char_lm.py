@@ -196,6 +196,10 @@ def run_mode(args, mode):
                 "LGRECO_WARMUP": str(warmup), "LGRECO_PERIOD": str(period), "LGRECO_WINDOW": str(window),
                 "LGRECO_SWITCH_LAG": str(lag), "LGRECO_PROBE_LEAD": str(lead), "OMP_NUM_THREADS": "1"})
     env.update(MODES[mode] or {})
+    if MODES[mode] is not None:
+        env.update(args.set)  # after the mode's own: an experiment's override wins
+    if args.decision_log and MODES[mode] is not None:
+        env["LGRECO_DECISION_LOG"] = "%s.%s.%%r.jsonl" % (args.decision_log, mode)  # %r: the rank
     procs = []
     for r in range(args.ranks):
         e = dict(env, RANK=str(r), LOCAL_RANK=str(r))
@@ -222,6 +226,13 @@ def run_mode(args, mode):
     return results, logs
 
 
+def setting(text):
+    name, eq, value = text.partition("=")
+    if not eq or not name.startswith("LGRECO_"):
+        raise argparse.ArgumentTypeError("%r: expected LGRECO_NAME=VALUE" % text)
+    return name, value
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", choices=sorted(SIZES), default="quick")
@@ -232,6 +243,10 @@ def main():
     p.add_argument("--timeout", type=int, default=900, help="seconds per mode")
     p.add_argument("--json", help="append each mode's summary as a JSON line to this file")
     p.add_argument("--check", action="store_true", help="assert the quick variant's bounds")
+    p.add_argument("--set", metavar="LGRECO_NAME=VALUE", action="append", default=[], type=setting,
+                   help="a library parameter for every compressed mode (repeatable), e.g. LGRECO_ERROR_METRIC=squared")
+    p.add_argument("--decision-log", metavar="PREFIX",
+                   help="each compressed mode's decision logs go to PREFIX.MODE.RANK.jsonl")
     p.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mode", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -244,7 +259,7 @@ def main():
         results, _ = run_mode(args, mode)
         r0 = results[0]
         same = len({r["weight_sum"] for r in results}) == 1
-        line = {"mode": mode, "size": args.size, "seed": args.seed, "optimizer": args.optimizer,
+        line = {"mode": mode, "size": args.size, "seed": args.seed, "optimizer": args.optimizer, "set": dict(args.set),
                 "val_loss": r0["val_loss"], "train_loss": r0["train_loss"],
                 "bytes_vs_fp32": r0.get("bytes_vs_fp32", 1.0), "bits_per_value": r0.get("bits_per_value", 32.0),
                 "compressed_calls": r0.get("compressed_calls", 0), "calls": r0.get("calls", 0),
