@@ -9,13 +9,15 @@ lgreco's DDP comm hook (lgreco.torch), against no compression.
 Modes (each a separate 4-process job with the same seeds, data order and model):
   none       DDP's own allreduce (gloo), float32
   uniform    every compressible layer at quant:bits=4 (LGRECO_MODE=uniform)
-  adaptive   L-GreCo over quant 2..8 bits, alpha 1 (the defaults)
+  adaptive   L-GreCo over quant 2..8 bits, alpha 1, the normalized error metric (the defaults)
   topk       L-GreCo over quant 2..8 bits and TopK densities 0.1%..5%
 
 Each job prints its final validation and training loss, the gradient bytes lgreco sent
 (one encoding) over float32's, the mean bits per compressed value, and its wall time;
 the runner prints one summary line per mode (`RESULT mode=... val_loss=...`) and, with
---check, asserts the quick variant's bounds (docs/PERF.md says where they come from).
+--check, asserts the quick variant's bounds (docs/PERF.md says where they come from),
+reading rank 0's decision logs (kept in a temporary folder unless --decision-log says
+where) for the bounds on each layer's relative error and on the bytes' swings.
 
 The data: each license text (symlinks resolved, each file once) split 90% / 10% by
 position into training and validation text; bytes above 127 map to one symbol. The
@@ -30,6 +32,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -250,6 +253,10 @@ def main():
     p.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mode", help=argparse.SUPPRESS)
     args = p.parse_args()
+    logs_dir = None
+    if args.check and not args.decision_log and not args.rank_main:
+        logs_dir = tempfile.TemporaryDirectory(prefix="char_lm.")
+        args.decision_log = os.path.join(logs_dir.name, "decisions")
     if args.rank_main:
         return rank_main(args)
     summary = {}
@@ -274,13 +281,49 @@ def main():
             with open(args.json, "a") as f:
                 f.write(json.dumps(line) + "\n")
     if args.check:
-        return check(summary)
+        return check(summary, args.decision_log)
     return 0
 
 
-def check(summary):
+def decisions(prefix, mode):
+    """Rank 0's decision log of a mode, one dict per solve; [] without one."""
+    path = "%s.%s.0.jsonl" % (prefix, mode) if prefix else None
+    if not path or not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def check_decisions(mode, log):
+    """Issue 24's bounds on the steady epochs, from the decision log: each layer's realized
+    relative error in a window at most the bound the solve in effect held it to
+    (docs/CONTROLLER.md, "What the optimizer sees"); each epoch's bytes within 25% of the
+    epoch before's, from the third adaptive epoch on."""
+    failures = []
+    # Line i's window measured line i-1's assignment; line 1's window the first adaptive
+    # epoch, where the residuals of the default still drain: steady from line 2 on.
+    for i in range(2, len(log)):
+        before, now = log[i - 1], log[i]
+        for was, layer in zip(before["layers"], now["layers"]):
+            bound = was.get("relative_bound", 0)
+            if bound > 0 and layer.get("window_relative", 0) > bound:
+                failures.append("%s: epoch %d, layer %s realized relative error %.4f above its bound %.4f" %
+                                (mode, before["epoch"], layer["name"], layer["window_relative"], bound))
+        if i >= 3 and abs(now["bytes"] - before["bytes"]) > 0.25 * before["bytes"]:
+            failures.append("%s: epoch %d sends %d bytes, epoch %d %d: more than 25%% apart" %
+                            (mode, now["epoch"], now["bytes"], before["epoch"], before["bytes"]))
+    return failures
+
+
+def check(summary, decision_log=None):
     """The quick variant's bounds (docs/PERF.md, "Real training")."""
     failures = []
+    for mode in ("adaptive", "topk"):
+        if mode in summary:
+            log = decisions(decision_log, mode)
+            if len(log) < 4:
+                failures.append("%s: %d decisions in rank 0's log, expected at least 4" % (mode, len(log)))
+            failures += check_decisions(mode, log)
     none = summary.get("none")
     for mode, s in summary.items():
         if not s["ranks_identical"]:
