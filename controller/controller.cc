@@ -24,6 +24,18 @@ double ms_since(std::chrono::steady_clock::time_point start) {
 
 unsigned long long ull(uint64_t v) { return v; }
 
+// Every layer at its default, with the totals of `solved` (the same problem's).
+Solution defaults_of(const Problem& problem, const Solution& solved) {
+  Solution s;
+  for (const Layer& layer : problem.layers) s.choices.push_back(layer.default_index);
+  s.cost = s.default_cost = solved.default_cost;
+  s.bytes = s.default_bytes = solved.default_bytes;
+  s.error = s.default_error = solved.default_error;
+  s.budget = solved.budget;
+  s.lower_bound = s.cost;  // nothing was searched: the gap is 0, not a proof
+  return s;
+}
+
 // The layers as a problem: validates names, defaults, counts and the placeholder
 // errors (finite, >= 0) once; the statistics replace the errors at every solve.
 std::vector<Layer> validated(std::vector<Layer> layers, const ControllerSettings& settings) {
@@ -541,6 +553,13 @@ std::shared_ptr<const Assignment> Controller::solve_and_log(const Job& job, cons
   Solution solution = solve_(problem, settings_.solver);
   const double solve_ms = ms_since(start);
   if (solution.choices.size() != layers_.size()) throw std::logic_error("the solver answered for other layers");
+  // At alpha >= 1 the defaults meet the budget by definition: it is their own error. When
+  // the loop's alpha_eff < 1 asks for less error than theirs, the search may only get
+  // there by spending more bytes than they do (or not at all); then the defaults are the
+  // better answer to the budget the user set, and the window after measures them exactly.
+  const double solved_cost = solution.cost;
+  const bool kept_defaults = settings_.alpha >= 1 && solution.cost > solution.default_cost;
+  if (kept_defaults) solution = defaults_of(problem, solution);
 
   auto assignment = std::make_shared<Assignment>();
   assignment->epoch = job.epoch;
@@ -555,6 +574,7 @@ std::shared_ptr<const Assignment> Controller::solve_and_log(const Job& job, cons
   if (layers_.empty()) min_samples = 0;
   assignment->alpha_eff = alpha_eff_;
   assignment->bias = bias_;
+  assignment->kept_defaults = kept_defaults;
   assignment->window = reading;
   assignment->drift.assign(drift.begin(), drift.end());
   // Per layer, what the solve knew of its choice: the prediction the epoch is judged
@@ -569,6 +589,9 @@ std::shared_ptr<const Assignment> Controller::solve_and_log(const Job& job, cons
     const uint32_t c = assignment->choices[l];
     assignment->predicted[l] = problem.layers[l].candidates[solution.choices[l]].error / weight[l];
     assignment->relative[l] = relative_of(job.stats, l, assignment->predicted[l]);
+    // The default is always offered, whatever the cap (cap_relative_errors): a layer at its
+    // default has the relative error uniform compression has, and no bound.
+    if (solution.choices[l] == problem.layers[l].default_index) assignment->relative_bound[l] = 0;
     chosen[l] = transient_of(job, l, c);
   }
 
@@ -595,6 +618,7 @@ std::shared_ptr<const Assignment> Controller::solve_and_log(const Job& job, cons
     context.layer_relative = assignment->relative;
     context.layer_window_relative = window_relative;
     context.layer_relative_bound = assignment->relative_bound;
+    context.kept_defaults = kept_defaults;
     const std::string line = decision_json(context, problem, solution, solve_ms);
     fprintf(decision_log_, "%s\n", line.c_str());
     fflush(decision_log_);
@@ -606,6 +630,10 @@ std::shared_ptr<const Assignment> Controller::solve_and_log(const Job& job, cons
               ull(solution.default_bytes), solution.error, solution.budget,
               solution.feasible ? "" : " (infeasible: least-error assignment)", problem.alpha,
               reading.budget > 0 ? reading.realized / reading.budget : 0.0, solve_ms);
+  if (kept_defaults)
+    LGRECO_INFO("CTRL",
+                "epoch %llu keeps the defaults: the solve at alpha_eff %.4g would send %.6g, more than their %.6g",
+                ull(job.epoch), problem.alpha, solved_cost, solution.default_cost);
   in_effect_ = assignment->choices;
   chosen_ = std::move(chosen);
   chosen_drift_.assign(drift.begin(), drift.end());

@@ -116,6 +116,9 @@ struct Assignment {
   Solution solution;              // the solver's summary (empty for epoch 0)
   double alpha_eff = 0;           // the alpha the solve used (0 for epoch 0)
   double bias = 1;                // the loop's estimate of the model's bias it used
+  // Every layer at its default because the solve at alpha_eff < 1 would have cost more
+  // than they do (alpha >= 1 only; controller.cc, solve_and_log).
+  bool kept_defaults = false;
   WindowReading window;           // of the window it was solved from
   std::vector<double> drift;      // per layer: the factor its errors were extrapolated by
   // Per layer: the mean error per step the solve predicted for its choice over the epoch
@@ -124,7 +127,8 @@ struct Assignment {
   std::vector<double> predicted;
   // Per layer: the same as an error relative to the gradient's energy per coordinate,
   // predicted x numel / magnitude^2 (magnitude: the window's sum |g| in the output's
-  // units), and the bound the solve held it to (0: no bound; not measured: both 0).
+  // units), and the bound the solve held it to (0: no bound, as for a layer at its default,
+  // whose error is uniform compression's; not measured: both 0).
   std::vector<double> relative, relative_bound;
 };
 

@@ -144,6 +144,7 @@ std::string decision_json(const DecisionContext& context, const Problem& problem
   out["alpha_eff"] = context.alpha_eff;
   out["loop_bias"] = context.loop_bias;
   if (context.metric) out["metric"] = context.metric;
+  out["kept_defaults"] = context.kept_defaults;
   out["window"] = {{"realized", context.window_realized},
                    {"predicted", context.window_predicted},
                    {"budget", context.window_budget}};

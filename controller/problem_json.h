@@ -39,6 +39,7 @@ struct DecisionContext {
   // to the gradient's energy per coordinate (controller.h, Assignment::relative), and the
   // bound the solve held the first to (0: none).
   std::span<const double> layer_relative, layer_window_relative, layer_relative_bound;
+  bool kept_defaults = false;  // Assignment::kept_defaults
 };
 
 // One line (no newline): the context, the solution summary and, per layer, the chosen

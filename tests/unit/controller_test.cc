@@ -163,6 +163,7 @@ BOOST_AUTO_TEST_CASE(every_rank_switches_at_the_same_step_to_the_same_choices) {
 struct LoopRun {
   std::vector<double> ratio;      // per adaptive epoch: realized error over the budget
   std::vector<double> alpha_eff;  // per adaptive epoch
+  std::vector<double> bytes;      // per adaptive epoch: over the defaults'
 };
 LoopRun run_wrong_model(bool loop, double bias, uint64_t seed) {
   const auto layers = make_layers(30);
@@ -196,6 +197,8 @@ LoopRun run_wrong_model(bool loop, double bias, uint64_t seed) {
       if (epoch > 0) out.ratio.push_back(realized / steps / budget);
       epoch = in_a->epoch;
       out.alpha_eff.push_back(in_a->alpha_eff);
+      out.bytes.push_back(static_cast<double>(in_a->solution.bytes) /
+                          static_cast<double>(in_a->solution.default_bytes));
       realized = 0, steps = 0;
     }
     double step_error = 0;
@@ -254,6 +257,8 @@ BOOST_AUTO_TEST_CASE(the_closed_loop_corrects_a_wrong_error_model_within_two_epo
         }
         BOOST_TEST(sum / static_cast<double>(on.ratio.size() - 2) <= 1.02);  // the dead band
         for (double alpha : on.alpha_eff) BOOST_TEST((alpha >= 0.25 && alpha <= 1.0));
+        // Lowered or not, alpha_eff never makes an epoch dearer than the defaults.
+        for (double bytes : on.bytes) BOOST_TEST(bytes <= 1.0);
       }
     }
   }
@@ -549,6 +554,58 @@ BOOST_AUTO_TEST_CASE(a_layer_without_samples_keeps_its_default) {
   BOOST_TEST(a->choices[1] == layers[1].default_index);
   BOOST_TEST(a->predicted[1] == 0.0);  // nothing measured, nothing predicted
   BOOST_TEST(a->predicted[0] > 0.0);
+}
+
+// At alpha >= 1 the defaults meet the budget by definition (it is their own error), so no
+// epoch sends more than they would: a solve that answers with a dearer assignment (as the
+// closed loop's alpha_eff < 1 can make it, or a solver as here) gives way to them, and the
+// decision log says so. Under alpha < 1 the user asked for less error than theirs: the
+// dearer answer stands.
+BOOST_AUTO_TEST_CASE(no_epoch_sends_more_than_the_defaults_at_alpha_one) {
+  const auto layers = make_layers(4);
+  // Every layer at its last candidate (8 bits): less error than the defaults, more bytes.
+  const auto widest = [](const Problem& p, const controller::SolverOptions& o) {
+    controller::Solution s = controller::solve(p, o);
+    s.bytes = 0, s.error = 0;
+    for (size_t l = 0; l < p.layers.size(); ++l) {
+      s.choices[l] = static_cast<uint32_t>(p.layers[l].candidates.size() - 1);
+      s.bytes += p.layers[l].candidates[s.choices[l]].bytes;
+      s.error += p.layers[l].candidates[s.choices[l]].error;
+    }
+    s.cost = static_cast<double>(s.bytes);
+    return s;
+  };
+  for (double alpha : {1.0, 0.5}) {
+    BOOST_TEST_CONTEXT("alpha " << alpha) {
+      test::TempDir dir;
+      ControllerSettings settings = small_schedule(2, 4, 1, 1);
+      settings.alpha = alpha;
+      settings.decision_log_path = dir.file("decisions.jsonl");
+      std::shared_ptr<const Assignment> a;
+      {
+        Controller c(settings, layers, widest);
+        std::mt19937_64 rng(test::run_seed());
+        ErrorStats stats = c.new_stats();
+        add_samples(stats, layers, rng);
+        c.submit(1, stats);
+        a = c.assignment_for_step(2);
+      }
+      BOOST_TEST_REQUIRE(a->epoch == 1u);
+      const bool keep = alpha >= 1;
+      BOOST_TEST(a->kept_defaults == keep);
+      for (size_t l = 0; l + 1 < layers.size(); ++l)
+        BOOST_TEST(a->choices[l] == (keep ? layers[l].default_index : layers[l].candidates.size() - 1));
+      BOOST_TEST((a->solution.bytes == a->solution.default_bytes) == keep);
+      BOOST_TEST((a->solution.bytes > a->solution.default_bytes) == !keep);
+      std::ifstream in(settings.decision_log_path);
+      std::string line;
+      BOOST_TEST_REQUIRE(static_cast<bool>(std::getline(in, line)));
+      const auto d = nlohmann::json::parse(line);
+      BOOST_TEST(d.at("kept_defaults").get<bool>() == keep);
+      BOOST_TEST(d.at("bytes").get<uint64_t>() == a->solution.bytes);
+      BOOST_TEST(d.at("layers")[0].at("codec").get<std::string>() == (keep ? "quant:bits=4" : "quant:bits=8"));
+    }
+  }
 }
 
 BOOST_AUTO_TEST_CASE(decision_log_has_one_json_line_per_epoch) {
