@@ -11,7 +11,9 @@
 //
 // The closed loop (docs/CONTROLLER.md, "The closed loop"): each window also carries the
 // realized error of the assignment in effect during it. Before each solve the thread
-// compares it with what the solve that chose that assignment predicted for it: their
+// compares it with what the solve that chose that assignment predicted for it, re-anchored
+// to this window by the defaults' error measured here over their error as that solve
+// forecast it (the gradients change between the two windows; read_window): their
 // ratio b is the model's bias, as measured. It keeps an estimate B of it, in [1, 4],
 // and aims at alpha_eff = alpha / B, so that the realized error (B x the prediction) fits
 // alpha x the default's:
@@ -24,8 +26,9 @@
 // depends on the assignment (a model may err on the narrow codecs only): given back at
 // once, alpha_eff would climb until they return, overspend again and swing; rising
 // slowly, it comes back to such a cliff tens of windows later, by a step.
-// Realized and predicted error come from the same window and the same assignment, so a
-// window whose gradients are unusual (a heavy tail's outlier) moves both alike; comparing
+// Realized and re-anchored predicted error come from the same window and the same
+// assignment, so a window whose gradients are unusual (a heavy tail's outlier) moves both
+// alike; comparing
 // the realized error with the budget instead would read the budget's own swings as the
 // model's error, and a solution that leaves budget unused as a model that errs low. The
 // state moves whether or not the solve then succeeds; every rank computes the same.
@@ -248,6 +251,7 @@ class Controller {
   // (none: the layer was not measured, or no solve yet).
   std::vector<std::optional<Transient>> chosen_;
   std::vector<double> chosen_drift_;
+  std::vector<double> chosen_defaults_;  // the defaults' error in its window (read_window)
   double last_middle_ = 0;  // of the window before (0: none yet)
 
   // Training-path state (one thread).
