@@ -121,7 +121,7 @@ Controller::Controller(ControllerSettings settings, std::vector<Layer> layers, S
   in_effect_ = defaults->choices;
   last_magnitude_.assign(layers_.size(), 0.0);
   chosen_.resize(layers_.size());
-  chosen_drift_.assign(layers_.size(), 1.0);
+  chosen_scale_.assign(layers_.size(), 1.0);
   chosen_defaults_.assign(layers_.size(), 0.0);
   current_ = std::move(defaults);
   if (!settings_.decision_log_path.empty()) {
@@ -257,8 +257,8 @@ WindowReading Controller::read_window(const ErrorStats& stats) const {
       continue;
     }
     const ScheduleSettings& s = settings_.schedule;
-    forecast += w * mean_error(*chosen_[l], s.period - s.window - s.switch_lag + 1, s.window) * chosen_drift_[l];
-    defaults_forecast += w * chosen_defaults_[l] * chosen_drift_[l];
+    forecast += mean_error(*chosen_[l], s.period - s.window - s.switch_lag + 1, s.window) * chosen_scale_[l];
+    defaults_forecast += chosen_defaults_[l] * chosen_scale_[l];
     defaults_now += w * default_now;
   }
   // The forecast re-anchored to this window: scaled by how the defaults' error, measured
@@ -449,8 +449,14 @@ double Controller::relative_of(const ErrorStats& stats, size_t layer, double err
   return m > 0 && std::isfinite(r) ? r : 0.0;
 }
 
-Controller::Built Controller::problem_from(const Job& job, std::span<const double> drift,
-                                           std::span<const double> weight) const {
+std::vector<double> Controller::epoch_scales(std::span<const double> drift, std::span<const double> weight) const {
+  std::vector<double> scale(layers_.size());
+  for (size_t l = 0; l < layers_.size(); ++l)
+    scale[l] = settings_.metric == ErrorMetric::kNormalized ? weight[l] : drift[l] * weight[l];
+  return scale;
+}
+
+Controller::Built Controller::problem_from(const Job& job, std::span<const double> scale) const {
   const ErrorStats& stats = job.stats;
   double steady_defaults = 0, epoch_defaults = 0;
   Built built;
@@ -464,7 +470,7 @@ Controller::Built Controller::problem_from(const Job& job, std::span<const doubl
   built.relative_bound.assign(p.layers.size(), 0.0);
   for (size_t l = 0; l < p.layers.size(); ++l) {
     Layer& layer = p.layers[l];
-    if (stats.samples(l) == 0 || weight[l] == 0) {
+    if (stats.samples(l) == 0 || scale[l] == 0) {
       // Nothing measured (every sample overflowed, or the layer was not reached; for the
       // normalized metric, no magnitude): it keeps its default and adds nothing to the
       // budget.
@@ -479,9 +485,8 @@ Controller::Built Controller::problem_from(const Job& job, std::span<const doubl
     for (uint32_t c = 0; c < layer.candidates.size(); ++c) {
       const Transient x = transient_of(job, l, c);
       built.index[l].push_back(c);
-      layer.candidates[c].error = mean_error(x, 0, settings_.schedule.period) * drift[l] * weight[l];
-      if (c == layer.default_index)
-        steady_defaults += x.steady * drift[l] * weight[l], epoch_defaults += layer.candidates[c].error;
+      layer.candidates[c].error = mean_error(x, 0, settings_.schedule.period) * scale[l];
+      if (c == layer.default_index) steady_defaults += x.steady * scale[l], epoch_defaults += layer.candidates[c].error;
     }
   }
   // The budget is the default's error as a uniform run has it, in its own steady state:
@@ -535,10 +540,10 @@ std::shared_ptr<const Assignment> Controller::solve_job(const Job& job) {
     const WindowReading reading = read_window(job.stats);
     update_loop(reading);
     const std::vector<double> drift = drift_of(job.stats, job.window_last_step);
-    const std::vector<double> weight = weights_of(job.stats);
+    const std::vector<double> scale = epoch_scales(drift, weights_of(job.stats));
     for (size_t l = 0; l < layers_.size(); ++l) last_magnitude_[l] = job.stats.magnitude_mean(l);
     last_middle_ = window_middle(job.window_last_step);
-    return solve_and_log(job, reading, drift, weight);
+    return solve_and_log(job, reading, drift, scale);
   } catch (const std::exception& e) {
     return failed(job, e.what());
   } catch (...) {
@@ -563,8 +568,8 @@ std::shared_ptr<const Assignment> Controller::failed(const Job& job, const char*
 
 std::shared_ptr<const Assignment> Controller::solve_and_log(const Job& job, const WindowReading& reading,
                                                             std::span<const double> drift,
-                                                            std::span<const double> weight) {
-  const Built built = problem_from(job, drift, weight);
+                                                            std::span<const double> scale) {
+  const Built built = problem_from(job, scale);
   const Problem& problem = built.problem;
   const auto start = std::chrono::steady_clock::now();
   Solution solution = solve_(problem, settings_.solver);
@@ -604,8 +609,10 @@ std::shared_ptr<const Assignment> Controller::solve_and_log(const Job& job, cons
   for (size_t l = 0; l < layers_.size(); ++l) {
     if (!built.measured[l]) continue;
     const uint32_t c = assignment->choices[l];
-    assignment->predicted[l] = problem.layers[l].candidates[solution.choices[l]].error / weight[l];
-    assignment->relative[l] = relative_of(job.stats, l, assignment->predicted[l]);
+    // The epoch's error as the window measured it, and with the drift's forecast.
+    const double in_window = problem.layers[l].candidates[solution.choices[l]].error / scale[l];
+    assignment->predicted[l] = in_window * drift[l];
+    assignment->relative[l] = relative_of(job.stats, l, in_window);
     // The default is always offered, whatever the cap (cap_relative_errors): a layer at its
     // default has the relative error uniform compression has, and no bound.
     if (solution.choices[l] == problem.layers[l].default_index) assignment->relative_bound[l] = 0;
@@ -653,7 +660,7 @@ std::shared_ptr<const Assignment> Controller::solve_and_log(const Job& job, cons
                 ull(job.epoch), problem.alpha, solved_cost, solution.default_cost);
   in_effect_ = assignment->choices;
   chosen_ = std::move(chosen);
-  chosen_drift_.assign(drift.begin(), drift.end());
+  chosen_scale_.assign(scale.begin(), scale.end());
   for (size_t l = 0; l < layers_.size(); ++l)
     chosen_defaults_[l] = built.measured[l] ? job.stats.mean(l, layers_[l].default_index) : 0.0;
   assignment->solution = std::move(solution);

@@ -198,7 +198,12 @@ class Controller {
     std::vector<double> relative_bound;
   };
   void cap_relative_errors(Built& built) const;
-  Built problem_from(const Job& job, std::span<const double> drift, std::span<const double> weight) const;
+  // The factor from a layer's squared error in the window to the metric's error over the
+  // epoch: drift x weight under the absolute metrics (the error follows the gradient's
+  // scale); the weight alone under kNormalized, where the gradient's scale moves the error
+  // and the weight (1 / magnitude^2) alike and the drift cancels.
+  std::vector<double> epoch_scales(std::span<const double> drift, std::span<const double> weight) const;
+  Built problem_from(const Job& job, std::span<const double> scale) const;
   // The metric's weight of one unit of each layer's squared error: 1 for the absolute
   // metrics; numel^2 / magnitude^2 for kNormalized, 0 where the window measured no
   // magnitude (the layer then keeps its default and adds nothing to the budget).
@@ -229,7 +234,7 @@ class Controller {
   double window_middle(uint64_t last) const;
   std::shared_ptr<const Assignment> solve_job(const Job& job);  // never throws
   std::shared_ptr<const Assignment> solve_and_log(const Job& job, const WindowReading& reading,
-                                                  std::span<const double> drift, std::span<const double> weight);
+                                                  std::span<const double> drift, std::span<const double> scale);
   std::shared_ptr<const Assignment> failed(const Job& job, const char* what);
   // The closed loop's step for a window: reads it and updates alpha_eff_.
   WindowReading read_window(const ErrorStats& stats) const;
@@ -250,8 +255,9 @@ class Controller {
   // Per layer: what the last successful solve knew of its choice, and the drift it applied
   // (none: the layer was not measured, or no solve yet).
   std::vector<std::optional<Transient>> chosen_;
-  std::vector<double> chosen_drift_;
-  std::vector<double> chosen_defaults_;  // the defaults' error in its window (read_window)
+  // ... and per layer the epoch scale it applied (epoch_scales) and the defaults' error in
+  // its window (read_window).
+  std::vector<double> chosen_scale_, chosen_defaults_;
   double last_middle_ = 0;  // of the window before (0: none yet)
 
   // Training-path state (one thread).

@@ -294,10 +294,14 @@ def decisions(prefix, mode):
         return [json.loads(line) for line in f if line.strip()]
 
 
+RELATIVE_SLACK = 1.25  # a window's realized relative error over its solve's bound
+
+
 def check_decisions(mode, log):
     """Issue 24's bounds on the steady epochs, from the decision log: each layer's realized
-    relative error in a window at most the bound the solve in effect held it to
-    (docs/CONTROLLER.md, "What the optimizer sees"); each epoch's bytes within 25% of the
+    relative error in a window at most 1.25x the bound the solve in effect held its
+    prediction to (docs/CONTROLLER.md, "What the optimizer sees": the window comes an epoch
+    after the solve's, and measured up to 1.09x); each epoch's bytes within 25% of the
     epoch before's, from the third adaptive epoch on."""
     failures = []
     # Line i's window measured line i-1's assignment; line 1's window the first adaptive
@@ -306,9 +310,9 @@ def check_decisions(mode, log):
         before, now = log[i - 1], log[i]
         for was, layer in zip(before["layers"], now["layers"]):
             bound = was.get("relative_bound", 0)
-            if bound > 0 and layer.get("window_relative", 0) > bound:
-                failures.append("%s: epoch %d, layer %s realized relative error %.4f above its bound %.4f" %
-                                (mode, before["epoch"], layer["name"], layer["window_relative"], bound))
+            if bound > 0 and layer.get("window_relative", 0) > RELATIVE_SLACK * bound:
+                failures.append("%s: epoch %d, layer %s realized relative error %.4f above %g x its bound %.4f" %
+                                (mode, before["epoch"], layer["name"], layer["window_relative"], RELATIVE_SLACK, bound))
         if i >= 3 and abs(now["bytes"] - before["bytes"]) > 0.25 * before["bytes"]:
             failures.append("%s: epoch %d sends %d bytes, epoch %d %d: more than 25%% apart" %
                             (mode, now["epoch"], now["bytes"], before["epoch"], before["bytes"]))
