@@ -268,7 +268,16 @@ WindowReading Controller::read_window(const ErrorStats& stats) const {
   // error read 0.38-2.34x the forecast); a bias measured against the raw forecast reads
   // that as the model's error and lowers alpha_eff for nothing. The ratio of the two
   // windows' defaults takes the gradients' change out; what is left is the model's.
-  r.predicted += defaults_forecast > 0 && defaults_now > 0 ? forecast * defaults_now / defaults_forecast : forecast;
+  // The ratio is itself two measurements, each with its sampling noise: within
+  // kAnchorBand of 1 it is taken as 1, beyond it shrunk toward 1 by the band, so that in
+  // stationary training the anchor adds no noise to the reading (a 1-2% jitter there made
+  // the loop hold a 3-5% overspend within its dead band) and a real change still counts.
+  double anchor = 1;
+  if (defaults_forecast > 0 && defaults_now > 0) {
+    const double ratio = defaults_now / defaults_forecast;
+    anchor = ratio > kAnchorBand ? ratio / kAnchorBand : ratio < 1 / kAnchorBand ? ratio * kAnchorBand : 1.0;
+  }
+  r.predicted += forecast * anchor;
   r.budget = settings_.alpha * defaults;
   return r;
 }

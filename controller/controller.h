@@ -248,7 +248,7 @@ class Controller {
   // The closed loop's state (solver thread only): alpha_eff, and the choices in effect
   // during the window being solved (the last successful solve's, or the defaults); each
   // layer's gradient magnitude in the window before (0: unknown).
-  static constexpr double kDeadBand = 1.02, kMaxBias = 4, kRise = 1.01;
+  static constexpr double kDeadBand = 1.02, kMaxBias = 4, kRise = 1.01, kAnchorBand = 1.03;
   double alpha_eff_, bias_ = 1;
   std::vector<uint32_t> in_effect_;
   std::vector<double> last_magnitude_;
