@@ -271,7 +271,8 @@ WindowReading Controller::read_window(const ErrorStats& stats) const {
   // The ratio is itself two measurements, each with its sampling noise: within
   // kAnchorBand of 1 it is taken as 1, beyond it shrunk toward 1 by the band, so that in
   // stationary training the anchor adds no noise to the reading (a 1-2% jitter there made
-  // the loop hold a 3-5% overspend within its dead band) and a real change still counts.
+  // the loop hold a 3.5% overspend within its dead band: controller_test's wrong-model
+  // run) and a real change still counts.
   double anchor = 1;
   if (defaults_forecast > 0 && defaults_now > 0) {
     const double ratio = defaults_now / defaults_forecast;

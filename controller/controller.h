@@ -28,10 +28,10 @@
 // slowly, it comes back to such a cliff tens of windows later, by a step.
 // Realized and re-anchored predicted error come from the same window and the same
 // assignment, so a window whose gradients are unusual (a heavy tail's outlier) moves both
-// alike; comparing
-// the realized error with the budget instead would read the budget's own swings as the
-// model's error, and a solution that leaves budget unused as a model that errs low. The
-// state moves whether or not the solve then succeeds; every rank computes the same.
+// alike; comparing the realized error with the budget instead would read the budget's own
+// swings as the model's error, and a solution that leaves budget unused as a model that
+// errs low. The state moves whether or not the solve then succeeds; every rank computes
+// the same.
 //
 // Drift: gradients change scale as training goes on, layer by layer, and an assignment
 // runs after the window it was solved from. Every codec's error scales with the square of
@@ -129,7 +129,8 @@ struct Assignment {
   // layer was not measured. What the realized error of the epoch is to be judged against.
   std::vector<double> predicted;
   // Per layer: the same as an error relative to the gradient's energy per coordinate,
-  // predicted x numel / magnitude^2 (magnitude: the window's sum |g| in the output's
+  // without the drift's forecast (a relative error does not drift): the choice's error in
+  // the window x numel / magnitude^2 (magnitude: the window's sum |g| in the output's
   // units), and the bound the solve held it to (0: no bound, as for a layer at its default,
   // whose error is uniform compression's; not measured: both 0).
   std::vector<double> relative, relative_bound;
@@ -252,11 +253,10 @@ class Controller {
   double alpha_eff_, bias_ = 1;
   std::vector<uint32_t> in_effect_;
   std::vector<double> last_magnitude_;
-  // Per layer: what the last successful solve knew of its choice, and the drift it applied
-  // (none: the layer was not measured, or no solve yet).
+  // Per layer: what the last successful solve knew of its choice (none: the layer was not
+  // measured, or no solve yet), the epoch scale it applied (epoch_scales), and the
+  // defaults' error in its window (for read_window's anchor; 0: not measured).
   std::vector<std::optional<Transient>> chosen_;
-  // ... and per layer the epoch scale it applied (epoch_scales) and the defaults' error in
-  // its window (read_window).
   std::vector<double> chosen_scale_, chosen_defaults_;
   double last_middle_ = 0;  // of the window before (0: none yet)
 

@@ -253,7 +253,7 @@ def main():
     p.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mode", help=argparse.SUPPRESS)
     args = p.parse_args()
-    logs_dir = None
+    logs_dir = None  # held until main returns: the folder goes with it
     if args.check and not args.decision_log and not args.rank_main:
         logs_dir = tempfile.TemporaryDirectory(prefix="char_lm.")
         args.decision_log = os.path.join(logs_dir.name, "decisions")
