@@ -136,6 +136,7 @@ std::string solution_json(const Problem& problem, const Solution& solution, doub
 std::string decision_json(const DecisionContext& context, const Problem& problem, const Solution& solution,
                           double solve_ms) {
   ordered out = ordered::object();
+  out["log_version"] = kDecisionLogVersion;
   out["epoch"] = context.epoch;
   out["stats_last_step"] = context.stats_last_step;
   out["effective_step"] = context.effective_step;
@@ -154,7 +155,12 @@ std::string decision_json(const DecisionContext& context, const Problem& problem
   ordered layers = ordered::array();
   for (size_t l = 0; l < problem.layers.size(); ++l) {
     const Candidate& c = problem.layers[l].candidates[solution.choices[l]];
-    ordered layer = {{"name", problem.layers[l].name}, {"codec", c.codec}, {"bytes", c.bytes}, {"error", c.error}};
+    const std::string& default_codec = problem.layers[l].candidates[problem.layers[l].default_index].codec;
+    ordered layer = {{"name", problem.layers[l].name},
+                     {"codec", c.codec},
+                     {"default_codec", default_codec},
+                     {"bytes", c.bytes},
+                     {"error", c.error}};
     if (context.layer_realized) layer["window_realized"] = (*context.layer_realized)[l];
     if (!context.layer_drift.empty()) layer["drift"] = context.layer_drift[l];
     if (!context.layer_relative.empty()) layer["relative"] = context.layer_relative[l];

@@ -4,8 +4,8 @@
 #pragma once
 
 #include <cstdint>
-#include <string>
 #include <span>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -42,8 +42,13 @@ struct DecisionContext {
   bool kept_defaults = false;  // Assignment::kept_defaults
 };
 
-// One line (no newline): the context, the solution summary and, per layer, the chosen
-// codec with its bytes and error.
+// The decision log's format version, its first field ("log_version"). Readers (`lgreco
+// plot`) refuse other versions by name; a change that renames or redefines a field bumps
+// it, a new field does not.
+inline constexpr int kDecisionLogVersion = 1;
+
+// One line (no newline): the format version, the context, the solution summary and, per
+// layer, the chosen codec with its bytes and error.
 std::string decision_json(const DecisionContext& context, const Problem& problem, const Solution& solution,
                           double solve_ms);
 

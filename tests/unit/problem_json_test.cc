@@ -146,6 +146,9 @@ BOOST_AUTO_TEST_CASE(solution_and_decision_lines_are_json_with_every_field) {
   const std::string line = controller::decision_json(context, p, s, 0.25);
   BOOST_TEST(line.find('\n') == std::string::npos);
   const json d = json::parse(line);
+  // The format version comes first, so that a reader can refuse a line before the rest.
+  BOOST_TEST(line.starts_with("{\"log_version\":" + std::to_string(controller::kDecisionLogVersion) + ","), line);
+  BOOST_TEST(d.at("log_version").get<int>() == controller::kDecisionLogVersion);
   BOOST_TEST(d.at("epoch").get<uint64_t>() == 3u);
   BOOST_TEST(d.at("stats_last_step").get<uint64_t>() == 299u);
   BOOST_TEST(d.at("effective_step").get<uint64_t>() == 302u);
@@ -155,6 +158,9 @@ BOOST_AUTO_TEST_CASE(solution_and_decision_lines_are_json_with_every_field) {
   BOOST_TEST(d.at("layers")[0].at("name").get<std::string>() == "conv1");
   BOOST_TEST(d.at("layers")[0].at("codec").get<std::string>() == p.layers[0].candidates[s.choices[0]].codec);
   BOOST_TEST(d.at("layers")[1].at("bytes").get<uint64_t>() == 256u);
+  for (size_t l = 0; l < 2; ++l)
+    BOOST_TEST(d.at("layers")[l].at("default_codec").get<std::string>() ==
+               p.layers[l].candidates[p.layers[l].default_index].codec);
   // The closed loop and the drift (controller.h).
   BOOST_TEST(d.at("alpha").get<double>() == 1.0);
   BOOST_TEST(d.at("alpha_eff").get<double>() == 0.8125);
