@@ -12,6 +12,7 @@ PACKAGES=(
   python3-venv        # the Python package's test: pip install . in a fresh virtual environment
   python3-torch       # tools/lgreco-register's tests: DDP in a one-process gloo group (torch 1.13)
   python3-torchvision # the ResNet-50 example registration
+  python3-matplotlib  # `lgreco plot`: the decision log drawn (make demo draws its picture with it)
   clang               # libFuzzer for `make fuzz` (clang++ -fsanitize=fuzzer)
   libclang-rt-14-dev  # clang's fuzzer and sanitizer runtimes (Debian 12's clang is 14)
   iproute2            # ip and tc: `make netbench` (namespaces, veth, tbf rate limits)

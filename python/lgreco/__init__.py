@@ -6,6 +6,7 @@ around it:
 
     lgreco-run [options] -- torchrun ...   run a job with the library loaded
     lgreco info                            versions, paths, what the library would find
+    lgreco plot DECISION_LOG               the controller's decisions drawn (matplotlib)
     lgreco-register                        write a model's registration file (PyTorch)
     lgreco.torch.register_ddp(ddp, path)   the same from a training script
 

@@ -3,6 +3,7 @@
     lgreco info            this package's version and library; the NCCL and CUDA a job
                            would find; the effective parameters (lgreco-config show)
     lgreco run ...         the same as lgreco-run ...
+    lgreco plot LOG        a decision log drawn (lgreco plot --help; needs matplotlib)
 """
 
 import argparse
@@ -123,6 +124,7 @@ def build_parser():
                                    "Exit status 1 when the configuration in the environment is invalid.")
     i.add_argument("--no-torch", action="store_true", help="do not import torch to find its NCCL")
     sub.add_parser("run", help="the same as lgreco-run (lgreco run --help)", add_help=False)
+    sub.add_parser("plot", help="draw a decision log (lgreco plot --help; needs matplotlib)", add_help=False)
     return p
 
 
@@ -133,6 +135,9 @@ def main(argv=None):
     if argv and argv[0] == "run":
         from . import run  # noqa: PLC0415
         return run.main(argv[1:])
+    if argv and argv[0] == "plot":
+        from . import plot  # noqa: PLC0415
+        return plot.main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

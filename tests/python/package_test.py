@@ -189,6 +189,24 @@ class InstalledPackage(unittest.TestCase):
         rc, out, err = run([PROBE], env=clean_env(), cwd=self.work)
         self.assertNotIn("LGRECO", out + err, "without lgreco-run nothing of lgreco is loaded")
 
+    def test_lgreco_plot(self):
+        # A two-epoch log of two layers, as the controller writes it (log_version 1).
+        def line(epoch, codecs):
+            layers = [{"name": "0/%s" % n, "codec": c, "default_codec": "quant:bits=4,bucket=1024,rounding=stochastic",
+                       "bytes": 100, "error": 1.0} for n, c in zip(("fc.weight", "conv.weight"), codecs)]
+            return json.dumps({"log_version": 1, "epoch": epoch, "effective_step": 5 * epoch + 1, "alpha": 1.0,
+                               "alpha_eff": 0.9, "bytes": 200, "default_bytes": 400, "error": 1.0, "budget": 1.1,
+                               "solve_ms": 0.2, "layers": layers})
+        log = os.path.join(self.work, "decisions.jsonl")
+        with open(log, "w") as f:
+            f.write(line(1, ["quant:bits=2", "quant:bits=3"]) + "\n")
+            f.write(line(2, ["quant:bits=2", "topk:density=0.01"]) + "\n")
+        rc, out, err = self.cmd("lgreco", "plot", log)
+        self.assertEqual(rc, 0, out + err)
+        self.assertIn("decisions.png: 2 epochs, 2 layers, codecs 2 bits, 3 bits, 4 bits, topk 1%", out)
+        with open(os.path.join(self.work, "decisions.png"), "rb") as f:
+            self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
+
     def test_lgreco_info(self):
         for cmd in ([os.path.join(self.bin, "lgreco"), "info", "--no-torch"],
                     [self.python, "-m", "lgreco", "info", "--no-torch"]):
@@ -245,6 +263,7 @@ class Wheel(unittest.TestCase):
             with zipfile.ZipFile(os.path.join(tmp, wheels[0])) as z:
                 names = z.namelist()
                 self.assertEqual([n for n in names if n.endswith(".so")], ["lgreco/_lib/liblgreco.so"])
+                self.assertIn("lgreco/plot.py", names)
                 for entry in z.infolist():
                     mode = entry.external_attr >> 16
                     self.assertNotEqual(mode & 0o170000, 0o120000, "%s is a symlink" % entry.filename)
