@@ -300,11 +300,13 @@ test: deps
 # The registration tool's tests run DDP in a one-process gloo group on the CPU. The
 # package's tests install it (pip install ., offline) into a fresh virtual environment of
 # $(PYTHON) and run its commands; the install reuses this build.
+# `lgreco plot` is tested on the decision log lgreco-demo writes (matplotlib).
 # The comm hook's tests and the quick real-training run (tests/accuracy/char_lm.py, 4
 # ranks of DDP on gloo, a 0.1M-parameter character transformer on the license texts)
 # train through the library in build/lib.
-test-python: $(LIB) $(BUILD)/bin/lgreco-config $(INTERPOSE_BIN)
+test-python: $(LIB) $(BUILD)/bin/lgreco-config $(BUILD)/bin/lgreco-demo $(INTERPOSE_BIN)
 	LGRECO_DEBUG=NONE $(PYTHON) tests/python/register_test.py
+	$(PYTHON) tests/python/plot_test.py
 	LGRECO_TEST_INTERPOSE_PROBE=$(CURDIR)/$(INTERPOSE_BIN) $(PYTHON) tests/python/package_test.py
 	$(PYTHON) tests/python/comm_hook_test.py
 	$(PYTHON) tests/accuracy/char_lm.py --size quick --check
@@ -355,9 +357,11 @@ bench: $(BUILD)/bin/lgreco-codec-bench $(BUILD)/bin/lgreco-solve-bench $(BUILD)/
 netbench: $(BUILD)/bin/lgreco-bench
 	LGRECO_NETBENCH_BIN=$(BUILD)/bin/lgreco-bench tests/netbench/netbench.sh
 
+# The demo's picture: its decision log drawn by the package's `lgreco plot` (matplotlib).
 demo: deps
 	@$(MAKE) --no-print-directory all
-	$(BUILD)/bin/lgreco-demo
+	$(BUILD)/bin/lgreco-demo --decision-log $(BUILD)/demo/decisions.jsonl
+	PYTHONPATH=$(CURDIR)/python $(PYTHON) -m lgreco plot $(BUILD)/demo/decisions.jsonl -o $(BUILD)/demo/decisions.png
 
 install: all
 	install -d $(DESTDIR)$(PREFIX)/lib $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/share/doc/lgreco

@@ -17,9 +17,9 @@
 // (the closed loop's alpha_eff), the controller's predicted error against its budget, the
 // compression error (the output minus the exact sum of what the ranks encoded, gradients
 // plus residuals, docs/CONTROLLER.md) and the output's error against the exact gradient
-// sum, each over the uniform run's on the same steps, and the solve time. It writes a
-// PNG of the bits of every adaptive layer at every step, and ends with one line for
-// scripts:
+// sum, each over the uniform run's on the same steps, and the solve time. It writes rank
+// 0's decision log (build/demo/decisions.jsonl; `make demo` draws it with `lgreco plot`),
+// and ends with one line for scripts:
 //
 //   demo: ranks=4 steps=40 bytes_vs_fp32=... bytes_vs_uniform=... error_vs_budget=...
 //         output_error_vs_uniform=... alpha_eff=...
@@ -33,8 +33,8 @@
 // Candidates: quantization at 2..8 bits (default), or with --families quant,topk also
 // TopK at densities 0.1%..5%, the default codec staying 4 bits. Then a layer's bits per
 // value is TopK's 64 k / n, a `topk` column counts the adaptive layers on TopK per epoch,
-// a comment line says which groups and densities chose it, the plot colours TopK red to
-// peach, and the last line ends with " families=quant,topk". The gradients are the same
+// a comment line says which groups and densities chose it, and the last line ends with
+// " families=quant,topk". The gradients are the same
 // under both settings.
 #include <algorithm>
 #include <atomic>
@@ -63,7 +63,6 @@
 #include "plugin/collective/engine.h"
 #include "plugin/collective/inproc_fabric.h"
 #include "tools/cli.h"
-#include "tools/png_writer.h"
 
 namespace lgreco {
 namespace {
@@ -90,7 +89,7 @@ constexpr uint32_t kTopkPpb[] = {1'000'000, 2'500'000, 5'000'000, 10'000'000, 20
 // Index of a layer's codec in the candidate list, or this for a codec outside it.
 constexpr uint8_t kNoChoice = 255;
 
-const char kUsage[] = R"(usage: lgreco-demo [--steps N] [--ranks P] [--seed S] [--png PATH] [--registration FILE]
+const char kUsage[] = R"(usage: lgreco-demo [--steps N] [--ranks P] [--seed S] [--registration FILE]
                    [--algorithm auto|sra|allgather] [--families quant|quant,topk]
                    [--warmup N] [--period N] [--window N] [--loop on|off] [--decision-log PATH]
 
@@ -103,7 +102,8 @@ same gradients, a second engine runs uniform 4 bits: the reference every error i
 compared with.
 Per epoch of the controller it prints the mean bits per layer group, the bytes against
 float32 and uniform 4 bits, the alpha the solve used, the errors against uniform 4 bits'
-and the solve time; it writes a PNG of the codec chosen for every layer at every step.
+and the solve time; it writes the controller's decision log (rank 0's), which
+`lgreco plot PATH` draws (`make demo` does).
 The last line reads
   demo: ranks=P steps=N bytes_vs_fp32=R bytes_vs_uniform=R error_vs_budget=R
         output_error_vs_uniform=R alpha_eff=R
@@ -117,7 +117,6 @@ TopK is among the candidates.
   --steps N            steps (default 40; at least the first switch + 1, step 7 by default)
   --ranks P            ranks, 2..16 (default 4); each holds its gradients and the engine's buffers
   --seed S             seed of the gradients and the rounding noise (default 1)
-  --png PATH           where the plot goes (default build/demo/bits.png)
   --registration FILE  a registration file (docs/REGISTRATION.md) instead of ResNet-50
   --algorithm A        the engine's algorithm (default auto: sra for 4 ranks and large buckets)
   --families F         the codec families the controller chooses among (default quant):
@@ -133,21 +132,21 @@ TopK is among the candidates.
   --window N             first window ends at step warmup - 1, one every period after it
   --loop on|off        the closed loop on the realized error (default on); off: every solve
                        uses alpha = 1 (docs/CONTROLLER.md)
-  --decision-log PATH  append rank 0's decision log there (one JSON line per solve:
-                       LGRECO_DECISION_LOG's format, docs/CONTROLLER.md)
+  --decision-log PATH  where rank 0's decision log goes (default build/demo/decisions.jsonl;
+                       emptied first: it holds this run only): one JSON line per solve,
+                       LGRECO_DECISION_LOG's format (docs/CONTROLLER.md)
 )";
 
 struct Options {
   uint64_t steps = kDefaultSteps;
   int ranks = 4;
   uint64_t seed = 1;
-  std::string png = "build/demo/bits.png";
   std::string registration;
   collective::Algorithm algorithm = collective::Algorithm::kAuto;
   bool topk = false;  // --families quant,topk
   controller::ScheduleSettings schedule = kSchedule;
   bool loop = true;
-  std::string decision_log;  // rank 0's, when set
+  std::string decision_log = "build/demo/decisions.jsonl";  // rank 0's
   uint64_t first_switch() const { return schedule.warmup - 1 + schedule.switch_lag; }
 };
 
@@ -183,8 +182,10 @@ Options parse_options(int argc, char** argv, bool* help) {
     } else if (arg == "--seed") {
       o.seed = cli::parse_u64(arg, args.value());
     } else if (arg == "--png") {
-      o.png = args.value();
-      if (o.png.empty()) throw cli::UsageError("--png needs a path");
+      // The picture is drawn from the decision log since the hand-written PNG was retired.
+      throw cli::UsageError(
+          "--png is gone: the demo writes its decision log (--decision-log PATH) and "
+          "'lgreco plot PATH' draws it");
     } else if (arg == "--registration") {
       o.registration = args.value();
     } else if (arg == "--algorithm") {
@@ -659,7 +660,8 @@ class Run {
   void check(int r) {
     StepErrors& share = shares_[r];
     const size_t layers = model_.layers.size();
-    for (int run = 0; run < kRuns; ++run) share.compression[run].assign(layers, 0.0), share.output[run].assign(layers, 0.0);
+    for (int run = 0; run < kRuns; ++run)
+      share.compression[run].assign(layers, 0.0), share.output[run].assign(layers, 0.0);
     share.norm.assign(layers, 0.0);
     const int p = o_.ranks;
     for (size_t l = 0; l < layers; ++l) {
@@ -686,7 +688,8 @@ class Run {
           output[run] += (out - x) * (out - x);
         }
       }
-      for (int run = 0; run < kRuns; ++run) share.compression[run][l] = compression[run], share.output[run][l] = output[run];
+      for (int run = 0; run < kRuns; ++run)
+        share.compression[run][l] = compression[run], share.output[run][l] = output[run];
       share.norm[l] = norm;
     }
   }
@@ -698,9 +701,9 @@ class Run {
   const Gradients& gradients_;
   std::shared_ptr<collective::InProcHub> hubs_[kRuns];
   std::barrier<> sync_;
-  std::vector<std::vector<std::vector<uint8_t>>> inputs_;               // [rank][bucket], read by every rank's check
-  std::vector<std::vector<std::vector<uint8_t>>> outputs_[kRuns];       // [run][rank][bucket]
-  std::vector<std::vector<std::vector<float>>> residuals_[kRuns];       // [run][rank][bucket], before the call
+  std::vector<std::vector<std::vector<uint8_t>>> inputs_;          // [rank][bucket], read by every rank's check
+  std::vector<std::vector<std::vector<uint8_t>>> outputs_[kRuns];  // [run][rank][bucket]
+  std::vector<std::vector<std::vector<float>>> residuals_[kRuns];  // [run][rank][bucket], before the call
   std::vector<std::vector<std::pair<uint64_t, std::vector<float>>>> owner_residuals_[kRuns];
   std::vector<StepErrors> shares_;  // [rank]: each rank's share of a step
   std::vector<Timers> timers_;
@@ -749,124 +752,20 @@ double bits_per_value(const CodecSpec& c, const LayerInfo& l) {
   return 8.0 * static_cast<double>(collective::encoded_bytes(c, l.dtype, l.numel)) / static_cast<double>(l.numel);
 }
 
-// Viridis at seven points, for 2..8 bits.
-constexpr png::Rgb kBitColours[kMaxBits - kMinBits + 1] = {
-    {68, 1, 84}, {68, 57, 131}, {49, 104, 142}, {33, 145, 140}, {53, 183, 121}, {144, 215, 67}, {253, 231, 37}};
-// Dark red to peach (ColorBrewer OrRd), for the TopK densities, sparsest darkest as
-// viridis has its fewest bits darkest: no hue of viridis is near any of them.
-constexpr png::Rgb kTopkColours[std::size(kTopkPpb)] = {{127, 0, 0},    {179, 0, 0},    {215, 48, 31},
-                                                        {239, 101, 72}, {252, 141, 89}, {253, 187, 132}};
-constexpr png::Rgb kUnknownColour = {128, 128, 128};
-
-png::Rgb colour_of(const CodecSpec& c) {
-  if (c.family() == CodecFamily::kQuant) {
-    const int bits = c.quant_params().bits;
-    return bits < kMinBits || bits > kMaxBits ? kUnknownColour : kBitColours[bits - kMinBits];
-  }
-  if (c.family() == CodecFamily::kTopk) {
-    const uint32_t* at = std::find(std::begin(kTopkPpb), std::end(kTopkPpb), c.topk_params().density_ppb);
-    return at == std::end(kTopkPpb) ? kUnknownColour : kTopkColours[at - std::begin(kTopkPpb)];
-  }
-  return kUnknownColour;
-}
-
-// A candidate's legend label: "2".."8" for bits, ".1%", ".25%", "1%" for densities.
-std::string legend_label(const CodecSpec& c) {
-  if (c.family() == CodecFamily::kQuant) return std::to_string(c.quant_params().bits);
-  if (c.family() != CodecFamily::kTopk) return "";
-  std::string p = percent(c.topk_params().density_ppb);
-  return p.starts_with("0.") ? p.substr(1) : p;
-}
-
-// Text in the canvas's 3x5 font, with '%' drawn here (png::Canvas::text has digits, '.',
-// '-', ' ' and 'x'). Same advance per character as Canvas::text.
-void draw_label(png::Canvas& c, int x, int y, const std::string& s, png::Rgb colour, int scale) {
-  constexpr const char* kPercent[5] = {"x.x", "..x", ".x.", "x..", "x.x"};
-  for (char ch : s) {
-    if (ch == '%') {
-      for (int row = 0; row < 5; ++row)
-        for (int col = 0; col < 3; ++col)
-          if (kPercent[row][col] == 'x') c.fill(x + col * scale, y + row * scale, scale, scale, colour);
-      x += 4 * scale;
-    } else {
-      x = c.text(x, y, std::string_view(&ch, 1), colour, scale);
-    }
-  }
-}
-
-// Columns: adaptive layers in model order, a gap between groups; rows: steps, top down,
-// each switch ticked and numbered on the left; a legend of the candidates' colours on the
-// right (bits, then, below a gap, TopK densities).
-std::vector<uint8_t> plot(const Model& m, const std::vector<CodecSpec>& candidates,
-                          const std::vector<std::vector<uint8_t>>& choices_by_step,
-                          const std::vector<uint64_t>& switch_steps) {
-  const int layers = static_cast<int>(m.plot_order.size());
-  const int steps = static_cast<int>(choices_by_step.size());
-  const int cell_w = std::clamp(640 / std::max(layers, 1), 2, 12);
-  const int rows = std::min(steps, 1024);  // past 1024 steps, rows sample the steps
-  const int cell_h = std::clamp(480 / std::max(rows, 1), 1, 12);
-  const auto new_group = [&](int i) {
-    return i > 0 && m.layers[m.plot_order[i]].group != m.layers[m.plot_order[i - 1]].group;
-  };
-  const auto colour = [&](uint8_t choice) {
-    return choice < candidates.size() ? colour_of(candidates[choice]) : kUnknownColour;
-  };
-  const int gap = 2;
-  int gaps = 0;
-  for (int i = 1; i < layers; ++i) gaps += new_group(i) ? gap : 0;
-  // The legend: one row of 14 pixels per candidate, 6 more between families.
-  constexpr int kLegendRow = 14, kFamilyGap = 6;
-  std::vector<int> legend_y;
-  int legend_h = 0, label_w = 0;
-  for (size_t i = 0; i < candidates.size(); ++i) {
-    if (i > 0 && candidates[i].family() != candidates[i - 1].family()) legend_h += kFamilyGap;
-    legend_y.push_back(legend_h);
-    legend_h += kLegendRow;
-    label_w = std::max(label_w, png::Canvas::text_width(legend_label(candidates[i]), 2));
-  }
-  const int margin = 6, left = margin + png::Canvas::text_width("000000") + 4;
-  const int legend_w = std::max(36, 16 + label_w + 6);
-  const int plot_w = layers * cell_w + gaps, plot_h = rows * cell_h;
-  const int width = left + plot_w + margin + legend_w, height = std::max(plot_h, legend_h) + 2 * margin;
-  png::Canvas c(static_cast<uint32_t>(width), static_cast<uint32_t>(height), {255, 255, 255});
-  for (int row = 0; row < rows; ++row) {
-    const int step = static_cast<int>(static_cast<int64_t>(row) * steps / rows);
-    int x = left;
-    for (int i = 0; i < layers; ++i) {
-      if (new_group(i)) x += gap;
-      c.fill(x, margin + row * cell_h, cell_w, cell_h, colour(choices_by_step[step][m.plot_order[i]]));
-      x += cell_w;
-    }
-  }
-  for (uint64_t s : switch_steps) {
-    const int y = margin + static_cast<int>(static_cast<int64_t>(s) * rows / std::max(steps, 1)) * cell_h;
-    const std::string label = std::to_string(s);
-    c.text(left - 4 - png::Canvas::text_width(label), y - 2, label, {0, 0, 0});
-    c.fill(left - 3, y, 3, 1, {0, 0, 0});
-  }
-  const int lx = left + plot_w + margin;
-  for (size_t i = 0; i < candidates.size(); ++i) {
-    const int y = margin + legend_y[i];
-    c.fill(lx, y, 12, 12, colour_of(candidates[i]));
-    draw_label(c, lx + 16, y + 1, legend_label(candidates[i]), {0, 0, 0}, 2);
-  }
-  return png::encode_rgb(c.width(), c.height(), c.pixels());
-}
-
 // What the demo adds up over an epoch, or over all adaptive epochs.
 struct Totals {
   uint64_t epoch = 0, first_step = 0, steps = 0;
-  std::vector<uint8_t> choice;  // per layer, at the first step: index into the candidates
+  std::vector<uint8_t> choice;                               // per layer, at the first step: index into the candidates
   std::shared_ptr<const controller::Assignment> assignment;  // of the epoch
-  std::optional<controller::ErrorStats> stats;                // it was solved from
+  std::optional<controller::ErrorStats> stats;               // it was solved from
   double solve_ms = 0;
   uint64_t encoded = 0, uncompressed = 0, uniform = 0;  // bytes of one encoding per call
   uint64_t wire = 0, probe = 0;                         // bytes rank 0 sent, and of those the probe's
   // Squared errors summed over layers and steps (StepErrors).
   double compression[kRuns] = {}, output[kRuns] = {}, norm = 0;
-  double alpha_eff = 0;                      // summed over steps
-  std::vector<double> layer_compression;     // per layer, the adaptive run's, summed over steps
-  std::vector<double> layer_uniform;         // per layer, the uniform run's, summed over steps
+  double alpha_eff = 0;                   // summed over steps
+  std::vector<double> layer_compression;  // per layer, the adaptive run's, summed over steps
+  std::vector<double> layer_uniform;      // per layer, the uniform run's, summed over steps
 };
 
 // Realized over predicted compression error of the layers at one codec.
@@ -898,14 +797,10 @@ class Report {
   }
 
   void add(uint64_t step, const StepRecord& s) {
-    choices_by_step_.push_back(s.choice);
     if (step == 0) algorithms_ = s.algorithms;
     probe_sampled_ = s.probe_sampled;
     if (current_.steps == 0 || s.epoch != current_.epoch) {
-      if (current_.steps > 0) {
-        finish_epoch(current_);
-        switch_steps_.push_back(step);
-      }
+      if (current_.steps > 0) finish_epoch(current_);
       current_ = Totals{};
       current_.epoch = s.epoch;
       current_.first_step = step;
@@ -934,7 +829,8 @@ class Report {
       t->probe += probe;
       t->alpha_eff += alpha_eff;
       for (size_t l = 0; l < n; ++l) {
-        for (int run = 0; run < kRuns; ++run) t->compression[run] += e.compression[run][l], t->output[run] += e.output[run][l];
+        for (int run = 0; run < kRuns; ++run)
+          t->compression[run] += e.compression[run][l], t->output[run] += e.output[run][l];
         t->norm += e.norm[l];
       }
     }
@@ -950,7 +846,6 @@ class Report {
   }
 
   const Totals& adaptive() const { return adaptive_; }
-  const std::vector<std::vector<uint8_t>>& choices_by_step() const { return choices_by_step_; }
   uint64_t probe_sampled() const { return probe_sampled_; }
   // The largest compression error over uniform's of an adaptive epoch after the first.
   double worst_later_epoch() const { return worst_later_; }
@@ -989,7 +884,6 @@ class Report {
     s.pop_back();
     return s;
   }
-  const std::vector<uint64_t>& switch_steps() const { return switch_steps_; }
   const std::vector<collective::Algorithm>& algorithms() const { return algorithms_; }
 
  private:
@@ -997,7 +891,8 @@ class Report {
   // the candidates lack it.
   size_t index_of_default() const {
     for (size_t c = 0; c < candidates_.size(); ++c)
-      if (candidates_[c].family() == CodecFamily::kQuant && candidates_[c].quant_params().bits == kDefaultBits) return c;
+      if (candidates_[c].family() == CodecFamily::kQuant && candidates_[c].quant_params().bits == kDefaultBits)
+        return c;
     return candidates_.size();
   }
 
@@ -1026,7 +921,8 @@ class Report {
             CodecCheck& c = by_codec_[choice];
             c.realized += e.layer_compression[l];
             const double drift = k < e.assignment->drift.size() ? e.assignment->drift[k] : 1.0;
-            if (k < e.assignment->predicted.size()) c.predicted += e.assignment->predicted[k] * static_cast<double>(e.steps);
+            if (k < e.assignment->predicted.size())
+              c.predicted += e.assignment->predicted[k] * static_cast<double>(e.steps);
             ++c.layer_epochs;
             if (default_choice < candidates_.size()) {
               uniform_realized += e.layer_uniform[l];
@@ -1097,7 +993,6 @@ class Report {
   std::vector<int> widths_;
   Totals current_, adaptive_;
   collective::EngineCounters last_;
-  std::vector<std::vector<uint8_t>> choices_by_step_;
   // Adaptive layers x adaptive epochs, and those on TopK: in all, by group, by density.
   uint64_t layer_epochs_ = 0, topk_layer_epochs_ = 0;
   std::map<size_t, uint64_t> topk_by_group_;
@@ -1105,24 +1000,21 @@ class Report {
   std::vector<CodecCheck> by_codec_;
   double worst_later_ = 0, worst_later_uniform_ = 0;
   uint64_t probe_sampled_ = 0;
-  std::vector<uint64_t> switch_steps_;
   std::vector<collective::Algorithm> algorithms_;
 };
 
-// Creates the plot's directory and checks that the file can be written, before the run
-// rather than after it.
-void prepare_png(const std::string& path) {
+// Creates the decision log's directory and empties the file, before the run rather than
+// after it: the controller appends, and the log is to hold this run only.
+void prepare_decision_log(const std::string& path) {
   const std::filesystem::path p(path);
   if (p.has_parent_path()) {
     std::error_code ec;
     std::filesystem::create_directories(p.parent_path(), ec);
     if (ec) throw std::runtime_error("cannot create the directory of '" + path + "': " + ec.message());
   }
-  const bool existed = std::filesystem::exists(p);
-  FILE* f = fopen(path.c_str(), "ab");
-  if (!f) throw std::runtime_error("cannot write '" + path + "': " + strerror(errno));
+  FILE* f = fopen(path.c_str(), "w");
+  if (!f) throw std::runtime_error("cannot write the decision log '" + path + "': " + strerror(errno));
   fclose(f);
-  if (!existed) remove(path.c_str());
 }
 
 int run(int argc, char** argv) {
@@ -1161,7 +1053,7 @@ int run(int argc, char** argv) {
   for (const BucketLayout& b : layouts)
     for (const collective::LayerLayout& l : b.layers)
       uniform_bytes += collective::encoded_bytes(l.candidates[l.default_index], b.dtype, l.numel);
-  prepare_png(o.png);
+  prepare_decision_log(o.decision_log);
   const Gradients gradients(model, o.seed);
 
   using ull = unsigned long long;
@@ -1210,8 +1102,6 @@ int run(int argc, char** argv) {
     throw std::runtime_error("the controller never switched to an adaptive assignment in " + std::to_string(o.steps) +
                              " steps (a failed solve? LGRECO_DEBUG=INFO says more)");
 
-  const std::vector<uint8_t> png = plot(model, options.candidates, report.choices_by_step(), report.switch_steps());
-  cli::write_file(o.png, png.data(), png.size());
   const double seconds = cli::seconds_now() - start;
   Timers mean;
   for (const Timers& t : runner.timers()) {
@@ -1225,11 +1115,8 @@ int run(int argc, char** argv) {
   for (const auto& [name, count] : algorithms)
     used += (used.empty() ? "" : ", ") + name + " for " + std::to_string(count) + " of " +
             std::to_string(layouts.size()) + " buckets";
-  printf(
-      "#\n# %s per layer: %s (%zu adaptive layers in model order, left to right, a gap between groups; %llu "
-      "steps, top to bottom, switches ticked on the left; colours for %s in its legend)\n",
-      o.topk ? "codec" : "bits", o.png.c_str(), model.plot_order.size(), static_cast<ull>(o.steps),
-      o.topk ? "2..8 bits (viridis) and topk densities 0.1%..5% (red to peach)" : "2..8 bits");
+  printf("#\n# decision log (rank 0's, one line per solve): %s; draw it with: lgreco plot %s\n", o.decision_log.c_str(),
+         o.decision_log.c_str());
   if (o.topk) printf("# %s\n", report.topk_summary().c_str());
   printf(
       "# adaptive epochs, %llu steps: %s bytes per step against %s in float32 and %s at uniform 4 bits; "
@@ -1256,11 +1143,12 @@ int run(int argc, char** argv) {
   printf(
       "demo: ranks=%d steps=%llu bytes_vs_fp32=%.3f bytes_vs_uniform=%.3f error_vs_budget=%.4f "
       "output_error_vs_uniform=%.4f alpha_eff=%.4f%s\n",
-      o.ranks, static_cast<ull>(o.steps), static_cast<double>(adaptive.uncompressed) / static_cast<double>(adaptive.encoded),
+      o.ranks, static_cast<ull>(o.steps),
+      static_cast<double>(adaptive.uncompressed) / static_cast<double>(adaptive.encoded),
       static_cast<double>(adaptive.uniform) / static_cast<double>(adaptive.encoded),
       adaptive.compression[kAdaptiveRun] / adaptive.compression[kUniformRun],
-      adaptive.output[kAdaptiveRun] / adaptive.output[kUniformRun], adaptive.alpha_eff / static_cast<double>(adaptive.steps),
-      o.topk ? " families=quant,topk" : "");
+      adaptive.output[kAdaptiveRun] / adaptive.output[kUniformRun],
+      adaptive.alpha_eff / static_cast<double>(adaptive.steps), o.topk ? " families=quant,topk" : "");
   return 0;
 }
 

@@ -1,7 +1,8 @@
 // lgreco-demo as `make demo` runs it, shortened: the embedded ResNet-50 registration on
 // 2 ranks, a small registration file on 4 (quantization alone, and with TopK among the
 // candidates), and its command-line errors. Checks the last line's format and sanity
-// (ratios above 1, a finite error ratio), one table line per epoch and the PNG.
+// (ratios above 1, a finite error ratio), one table line per epoch and the decision log
+// (one versioned JSON line per solve; tests/python/plot_test.py draws it).
 #include <boost/test/unit_test.hpp>
 #include <cmath>
 #include <regex>
@@ -38,8 +39,8 @@ Summary check_last_line(const std::string& output) {
       R"((?: families=(quant,topk))?)");
   std::smatch m;
   BOOST_TEST_REQUIRE(std::regex_match(line, m, format), "last line: " << line);
-  Summary s{std::stoi(m[1]), std::stoi(m[2]), std::stod(m[3]), std::stod(m[4]), std::stod(m[5]), std::stod(m[6]),
-            std::stod(m[7])};
+  Summary s{std::stoi(m[1]), std::stoi(m[2]), std::stod(m[3]), std::stod(m[4]),
+            std::stod(m[5]), std::stod(m[6]), std::stod(m[7])};
   if (m[8].matched) s.families = m[8];
   BOOST_TEST(s.vs_fp32 > 1.0, line);
   BOOST_TEST(s.vs_uniform > 1.0, line);  // adaptive choices send fewer bytes than uniform 4 bits
@@ -56,10 +57,32 @@ Summary check_last_line(const std::string& output) {
   return s;
 }
 
-bool is_png(const std::string& path) {
-  const std::vector<uint8_t> b = test::read_bytes(path);
-  const uint8_t signature[8] = {0x89, 'P', 'N', 'G', '\r', '\n', 0x1a, '\n'};
-  return b.size() > 8 + 25 && std::equal(signature, signature + 8, b.begin());
+// The decision log rank 0's controller wrote: one line per solve, epochs 1, 2, ... in
+// order, each in the current log format, naming every adaptive layer. The demo empties
+// the file first, so a rerun does not append a second run.
+void check_decision_log(const std::string& path, const std::string& output, int solves, size_t adaptive_layers) {
+  BOOST_TEST(test::contains(output, "# decision log (rank 0's, one line per solve): " + path +
+                                        "; draw it with: lgreco plot " + path),
+             output);
+  const std::string text = test::read_text(path);
+  BOOST_TEST_REQUIRE(!text.empty(), path);
+  BOOST_TEST(text.back() == '\n');
+  std::vector<std::string> lines;
+  for (size_t at = 0, end; at < text.size(); at = end + 1) {
+    end = text.find('\n', at);
+    if (end == std::string::npos) end = text.size();
+    lines.push_back(text.substr(at, end - at));
+  }
+  BOOST_TEST_REQUIRE(lines.size() == static_cast<size_t>(solves), text);
+  for (int e = 0; e < solves; ++e) {
+    const std::string& line = lines[e];
+    BOOST_TEST(line.rfind("{\"log_version\":1,\"epoch\":" + std::to_string(e + 1) + ",", 0) == 0, line);
+    size_t named = 0;
+    for (size_t at = line.find("\"default_codec\":"); at != std::string::npos;
+         at = line.find("\"default_codec\":", at + 1))
+      ++named;
+    BOOST_TEST(named == adaptive_layers, line);
+  }
 }
 
 // Two buckets, four adaptive layers in four groups (one bucket bfloat16), three kept.
@@ -86,8 +109,8 @@ BOOST_AUTO_TEST_SUITE(demo_tool)
 
 BOOST_AUTO_TEST_CASE(resnet50_embedded_short_run) {
   test::TempDir dir;
-  const std::string png = dir.file("plots/bits.png");  // the directory is created
-  const auto r = test::run_command(demo() + " --steps 7 --ranks 2 --seed 3 --png " + png);
+  const std::string log = dir.file("logs/decisions.jsonl");  // the directory is created
+  const auto r = test::run_command(demo() + " --steps 7 --ranks 2 --seed 3 --decision-log " + log);
   BOOST_TEST_REQUIRE(r.exit_code == 0, r.output);
   const Summary s = check_last_line(r.output);
   BOOST_TEST(s.ranks == 2);
@@ -98,15 +121,15 @@ BOOST_AUTO_TEST_CASE(resnet50_embedded_short_run) {
   BOOST_TEST(test::contains(r.output, "conv1 layer1 layer2 layer3 layer4     fc"), r.output);
   BOOST_TEST(test::contains(r.output, "\n    0     0-5 "), r.output);
   BOOST_TEST(test::contains(r.output, "\n    1     6-6 "), r.output);
-  BOOST_TEST(test::contains(r.output, "# bits per layer: " + png), r.output);
-  BOOST_TEST(is_png(png));
+  check_decision_log(log, r.output, 1, 54);
 }
 
 BOOST_AUTO_TEST_CASE(registration_file_on_four_ranks) {
   test::TempDir dir;
   const std::string reg = write_tiny_registration(dir);
-  const std::string png = dir.file("tiny.png");
-  const auto r = test::run_command(demo() + " --steps 17 --registration " + reg + " --png " + png);
+  const std::string log = dir.file("tiny.jsonl");
+  test::write_bytes(log, "stale\n", 6);  // replaced, not appended to
+  const auto r = test::run_command(demo() + " --steps 17 --registration " + reg + " --decision-log " + log);
   BOOST_TEST_REQUIRE(r.exit_code == 0, r.output);
   const Summary s = check_last_line(r.output);
   BOOST_TEST(s.ranks == 4);
@@ -120,7 +143,7 @@ BOOST_AUTO_TEST_CASE(registration_file_on_four_ranks) {
   BOOST_TEST(test::contains(r.output, "  stem block1 block2   head"), r.output);
   for (const char* epoch : {"\n    0     0-5 ", "\n    1    6-10 ", "\n    2   11-15 ", "\n    3   16-16 "})
     BOOST_TEST(test::contains(r.output, epoch), r.output);
-  BOOST_TEST(is_png(png));
+  check_decision_log(log, r.output, 3, 4);
 }
 
 // --families quant,topk on the small registration: TopK densities join the candidates,
@@ -129,9 +152,9 @@ BOOST_AUTO_TEST_CASE(registration_file_on_four_ranks) {
 BOOST_AUTO_TEST_CASE(topk_among_the_candidates) {
   test::TempDir dir;
   const std::string reg = write_tiny_registration(dir);
-  const std::string png = dir.file("codecs.png");
+  const std::string log = dir.file("codecs.jsonl");
   const auto r =
-      test::run_command(demo() + " --steps 17 --families quant,topk --registration " + reg + " --png " + png);
+      test::run_command(demo() + " --steps 17 --families quant,topk --registration " + reg + " --decision-log " + log);
   BOOST_TEST_REQUIRE(r.exit_code == 0, r.output);
   const Summary s = check_last_line(r.output);
   BOOST_TEST(s.ranks == 4);
@@ -162,8 +185,9 @@ BOOST_AUTO_TEST_CASE(topk_among_the_candidates) {
   static const std::regex summary(R"(# topk in the adaptive epochs: (\d+) of 12 layer-epochs; by group: )");
   BOOST_TEST_REQUIRE(std::regex_search(r.output, m, summary), r.output);
   BOOST_TEST(std::stoi(m[1]) == adaptive_on_topk, r.output);
-  BOOST_TEST(test::contains(r.output, "# codec per layer: " + png), r.output);
-  BOOST_TEST(is_png(png));
+  check_decision_log(log, r.output, 3, 4);
+  // The log names the TopK choices the table counted.
+  BOOST_TEST(test::contains(test::read_text(log), "\"codec\":\"topk:"));
 }
 
 BOOST_AUTO_TEST_CASE(command_line_errors) {
@@ -173,7 +197,7 @@ BOOST_AUTO_TEST_CASE(command_line_errors) {
   BOOST_TEST(test::contains(help.output, "usage: lgreco-demo"));
   BOOST_TEST(test::contains(help.output, "--families F"));
   for (const char* bad : {"--steps 6", "--steps x", "--ranks 0", "--ranks 1", "--ranks 17", "--algorithm ring",
-                          "--bogus", "--png", "--families"}) {
+                          "--bogus", "--png x.png", "--decision-log", "--families"}) {
     const auto r = test::run_command(demo() + " " + bad);
     BOOST_TEST(r.exit_code == 2, bad << ": " << r.output);
     BOOST_TEST(test::contains(r.output, "Try 'lgreco-demo --help'"), bad << ": " << r.output);
@@ -186,12 +210,19 @@ BOOST_AUTO_TEST_CASE(command_line_errors) {
     BOOST_TEST(test::contains(r.output, "'" + std::string(value) + "'"), value << ": " << r.output);
     BOOST_TEST(test::contains(r.output, "Try 'lgreco-demo --help'"), value << ": " << r.output);
   }
-  // An unwritable plot path fails before the run, not after it.
-  const auto unwritable = test::run_command(demo() + " --png /proc/lgreco-none/bits.png");
+  // The retired --png says where the picture comes from now.
+  const auto png = test::run_command(demo() + " --png bits.png");
+  BOOST_TEST(test::contains(png.output, "--png is gone"), png.output);
+  BOOST_TEST(test::contains(png.output, "lgreco plot"), png.output);
+  // An unwritable decision log fails before the run, not after it.
+  const auto unwritable = test::run_command(demo() + " --decision-log /proc/lgreco-none/d.jsonl");
   BOOST_TEST(unwritable.exit_code == 1, unwritable.output);
-  BOOST_TEST(test::contains(unwritable.output, "cannot create the directory of '/proc/lgreco-none/bits.png'"),
+  BOOST_TEST(test::contains(unwritable.output, "cannot create the directory of '/proc/lgreco-none/d.jsonl'"),
              unwritable.output);
   BOOST_TEST(!test::contains(unwritable.output, "epoch"), unwritable.output);
+  const auto directory = test::run_command(demo() + " --decision-log /tmp");  // exists, a directory
+  BOOST_TEST(directory.exit_code == 1, directory.output);
+  BOOST_TEST(test::contains(directory.output, "cannot write the decision log '/tmp'"), directory.output);
   const auto missing = test::run_command(demo() + " --registration " + dir.file("none.json"));
   BOOST_TEST(missing.exit_code == 1, missing.output);
   BOOST_TEST(test::contains(missing.output, "none.json: cannot open"), missing.output);
