@@ -30,16 +30,7 @@ from lgreco import LgrecoError, plot  # noqa: E402
 
 # Two buckets, four adaptive layers (one bucket bfloat16), three kept float32: the
 # registration tests/unit/demo_test.cc runs.
-REGISTRATION = {"version": 1, "model": "tiny", "buckets": [
-    {"count": 52300, "dtype": "float32", "layers": [
-        {"name": "head.bias", "offset": 0, "numel": 100, "shape": [100]},
-        {"name": "head.weight", "offset": 100, "numel": 51200, "shape": [100, 512]},
-        {"name": "block2.norm.weight", "offset": 51300, "numel": 1000, "shape": [1000]}]},
-    {"count": 86016, "dtype": "bfloat16", "layers": [
-        {"name": "block2.conv.weight", "offset": 0, "numel": 36864, "shape": [64, 64, 3, 3]},
-        {"name": "block1.conv.weight", "offset": 36864, "numel": 36864, "shape": [64, 64, 3, 3]},
-        {"name": "block1.small.weight", "offset": 73728, "numel": 512, "shape": [8, 64]},
-        {"name": "stem.weight", "offset": 74240, "numel": 11776, "shape": [64, 184]}]}]}
+REGISTRATION = os.path.join(REPO, "tests", "data", "tiny_registration.json")
 SOLVES = 3  # --steps 17: epochs 1, 2, 3 solved
 
 
@@ -54,9 +45,7 @@ class PlotTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.dir = tempfile.mkdtemp(prefix="lgreco-plot-test-")
-        reg = os.path.join(cls.dir, "tiny.json")
-        with open(reg, "w") as f:
-            json.dump(REGISTRATION, f)
+        reg = REGISTRATION
         cls.log = os.path.join(cls.dir, "decisions.jsonl")
         if not os.access(DEMO, os.X_OK):
             raise RuntimeError("%s is missing: run make first" % DEMO)

@@ -85,22 +85,10 @@ void check_decision_log(const std::string& path, const std::string& output, int 
   }
 }
 
-// Two buckets, four adaptive layers in four groups (one bucket bfloat16), three kept.
-const char kTinyRegistration[] = R"({"version": 1, "model": "tiny", "buckets": [
-    {"count": 52300, "dtype": "float32", "layers": [
-      {"name": "head.bias", "offset": 0, "numel": 100, "shape": [100]},
-      {"name": "head.weight", "offset": 100, "numel": 51200, "shape": [100, 512]},
-      {"name": "block2.norm.weight", "offset": 51300, "numel": 1000, "shape": [1000]}]},
-    {"count": 86016, "dtype": "bfloat16", "layers": [
-      {"name": "block2.conv.weight", "offset": 0, "numel": 36864, "shape": [64, 64, 3, 3]},
-      {"name": "block1.conv.weight", "offset": 36864, "numel": 36864, "shape": [64, 64, 3, 3]},
-      {"name": "block1.small.weight", "offset": 73728, "numel": 512, "shape": [8, 64]},
-      {"name": "stem.weight", "offset": 74240, "numel": 11776, "shape": [64, 184]}]}]})";
-
-std::string write_tiny_registration(const test::TempDir& dir) {
-  const std::string path = dir.file("tiny.json");
-  test::write_bytes(path, kTinyRegistration, sizeof kTinyRegistration - 1);
-  return path;
+// Two buckets, four adaptive layers in four groups (one bucket bfloat16), three kept
+// float32; tests/python/plot_test.py draws the demo's log of it.
+std::string tiny_registration() {
+  return test::env_or("LGRECO_TEST_SOURCE_DIR", ".") + "/tests/data/tiny_registration.json";
 }
 
 }  // namespace
@@ -126,7 +114,7 @@ BOOST_AUTO_TEST_CASE(resnet50_embedded_short_run) {
 
 BOOST_AUTO_TEST_CASE(registration_file_on_four_ranks) {
   test::TempDir dir;
-  const std::string reg = write_tiny_registration(dir);
+  const std::string reg = tiny_registration();
   const std::string log = dir.file("tiny.jsonl");
   test::write_bytes(log, "stale\n", 6);  // replaced, not appended to
   const auto r = test::run_command(demo() + " --steps 17 --registration " + reg + " --decision-log " + log);
@@ -151,7 +139,7 @@ BOOST_AUTO_TEST_CASE(registration_file_on_four_ranks) {
 // per epoch in the `topk` column and summed, by group and density, in a comment line.
 BOOST_AUTO_TEST_CASE(topk_among_the_candidates) {
   test::TempDir dir;
-  const std::string reg = write_tiny_registration(dir);
+  const std::string reg = tiny_registration();
   const std::string log = dir.file("codecs.jsonl");
   const auto r =
       test::run_command(demo() + " --steps 17 --families quant,topk --registration " + reg + " --decision-log " + log);
