@@ -29,14 +29,15 @@ import argparse
 import json
 import math
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.normpath(os.path.join(HERE, "..", ".."))
+sys.path.insert(0, os.path.join(REPO, "tests", "python"))
+import rank_launcher  # noqa: E402 (the ranks' launcher, shared with comm_hook_test.py)
+
 LICENSES = "/usr/share/common-licenses"
 VOCAB = 129  # bytes 0..127, and one symbol for everything above
 
@@ -185,48 +186,23 @@ def rank_main(args):
     dist.destroy_process_group()
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_mode(args, mode):
     cfg = SIZES[args.size]
     env = {k: v for k, v in os.environ.items() if not k.startswith("LGRECO_")}
     warmup, period, window, lag, lead = cfg["schedule"]
-    env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(args.ranks),
-                "LGRECO_WARMUP": str(warmup), "LGRECO_PERIOD": str(period), "LGRECO_WINDOW": str(window),
+    env.update({"LGRECO_WARMUP": str(warmup), "LGRECO_PERIOD": str(period), "LGRECO_WINDOW": str(window),
                 "LGRECO_SWITCH_LAG": str(lag), "LGRECO_PROBE_LEAD": str(lead), "OMP_NUM_THREADS": "1"})
     env.update(MODES[mode] or {})
     if MODES[mode] is not None:
         env.update(args.set)  # after the mode's own: an experiment's override wins
     if args.decision_log and MODES[mode] is not None:
         env["LGRECO_DECISION_LOG"] = "%s.%s.%%r.jsonl" % (args.decision_log, mode)  # %r: the rank
-    procs = []
-    for r in range(args.ranks):
-        e = dict(env, RANK=str(r), LOCAL_RANK=str(r))
-        cmd = [sys.executable, __file__, "--rank-main", "--mode", mode, "--size", args.size, "--seed", str(args.seed),
-               "--optimizer", args.optimizer]
-        procs.append(subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    results, logs = [], []
-    deadline = time.time() + args.timeout
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=max(1, deadline - time.time()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise SystemExit("char_lm: mode %s did not finish within %d s" % (mode, args.timeout))
-        logs.append(out)
-        if p.returncode != 0:
-            raise SystemExit("char_lm: mode %s, a rank exited %d:\n%s" % (mode, p.returncode, out[-3000:]))
-        for line in out.splitlines():
-            if line.startswith("RANK_RESULT "):
-                results.append(json.loads(line[len("RANK_RESULT "):]))
-    if len(results) != args.ranks:
-        raise SystemExit("char_lm: mode %s: %d of %d ranks reported" % (mode, len(results), args.ranks))
-    return results, logs
+    cmd = [sys.executable, __file__, "--rank-main", "--mode", mode, "--size", args.size, "--seed", str(args.seed),
+           "--optimizer", args.optimizer]
+    try:
+        return rank_launcher.launch(cmd, env, args.ranks, args.timeout, "RANK_RESULT ")
+    except rank_launcher.RankError as e:
+        raise SystemExit("char_lm: mode %s: %s" % (mode, e)) from None
 
 
 def setting(text):

@@ -14,10 +14,10 @@ process group, so the result equals the plain run's bit for bit.
 
 import json
 import os
-import socket
-import subprocess
 import sys
 import unittest
+
+import rank_launcher  # tests/python, this file's folder (first on sys.path)
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 STEPS = 30
@@ -62,32 +62,15 @@ def rank_main(mode):
     dist.destroy_process_group()
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(mode, env_by_rank=None, ranks=2):
     base = {k: v for k, v in os.environ.items() if not k.startswith("LGRECO_")}
-    base.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(ranks),
-                 "LGRECO_WARMUP": "4", "LGRECO_PERIOD": "5", "LGRECO_WINDOW": "2", "LGRECO_SWITCH_LAG": "2",
+    base.update({"LGRECO_WARMUP": "4", "LGRECO_PERIOD": "5", "LGRECO_WINDOW": "2", "LGRECO_SWITCH_LAG": "2",
                  "LGRECO_PROBE_LEAD": "1", "LGRECO_DEBUG": "WARN", "OMP_NUM_THREADS": "1"})
-    procs = []
-    for r in range(ranks):
-        env = dict(base, RANK=str(r))
-        env.update((env_by_rank or {}).get(r, {}))
-        procs.append(subprocess.Popen([sys.executable, __file__, "--rank-main", mode], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
-    results, logs = [], []
-    for p in procs:
-        out, _ = p.communicate(timeout=240)
-        logs.append(out)
-        if p.returncode != 0:
-            raise AssertionError("a rank exited %d:\n%s" % (p.returncode, out[-4000:]))
-        results += [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
-    assert len(results) == ranks, logs
-    return results, logs
+    try:
+        return rank_launcher.launch([sys.executable, __file__, "--rank-main", mode], base, ranks, 240, "RESULT ",
+                                    env_by_rank)
+    except rank_launcher.RankError as e:
+        raise AssertionError("mode %s: %s" % (mode, e)) from None
 
 
 class CommHook(unittest.TestCase):
