@@ -309,15 +309,18 @@ test-python: $(LIB) $(BUILD)/bin/lgreco-config $(BUILD)/bin/lgreco-demo $(INTERP
 	$(PYTHON) tests/python/plot_test.py
 	LGRECO_TEST_INTERPOSE_PROBE=$(CURDIR)/$(INTERPOSE_BIN) $(PYTHON) tests/python/package_test.py
 	$(PYTHON) tests/python/comm_hook_test.py
-	$(PYTHON) tests/accuracy/char_lm.py --size quick --check
+	@mkdir -p $(BUILD)/accuracy
+	$(PYTHON) tests/accuracy/char_lm.py --size quick --check --plot $(BUILD)/accuracy/quick.png
 
 # Real training, the full variant (docs/PERF.md, "Real training"): every mode, then
 # uniform on two more seeds for the run-to-run spread. Hours on 2 cores.
 accuracy: $(LIB) $(BUILD)/bin/lgreco-config
 	@mkdir -p $(BUILD)/accuracy
+	rm -f $(BUILD)/accuracy/full.jsonl
 	$(PYTHON) tests/accuracy/char_lm.py --size full --timeout 14400 --json $(BUILD)/accuracy/full.jsonl
 	$(PYTHON) tests/accuracy/char_lm.py --size full --timeout 14400 --modes uniform --seed 2 --json $(BUILD)/accuracy/full.jsonl
 	$(PYTHON) tests/accuracy/char_lm.py --size full --timeout 14400 --modes uniform --seed 3 --json $(BUILD)/accuracy/full.jsonl
+	$(PYTHON) tests/accuracy/char_lm.py --plot-from $(BUILD)/accuracy/full.jsonl --plot $(BUILD)/accuracy/full.png
 
 # libFuzzer (clang) over the parsers of user input. The committed corpus (seeds and any
 # input that once crashed) is replayed first; new inputs go to build/fuzz/corpus, and a

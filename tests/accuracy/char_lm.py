@@ -18,6 +18,8 @@ the runner prints one summary line per mode (`RESULT mode=... val_loss=...`) and
 --check, asserts the quick variant's bounds (docs/PERF.md says where they come from),
 reading rank 0's decision logs (kept in a temporary folder unless --decision-log says
 where) for the bounds on each layer's relative error and on the bytes' swings.
+--plot FILE draws the modes' training-loss curves and their gap to no compression
+(matplotlib); --plot-from JSONL --plot FILE redraws them from an earlier --json file.
 
 The data: each license text (symlinks resolved, each file once) split 90% / 10% by
 position into training and validation text; bytes above 127 map to one symbol. The
@@ -173,7 +175,7 @@ def rank_main(args):
               "train_loss": sum(losses[-20:]) / len(losses[-20:]), "wall_s": wall,
               "parameters": sum(p.numel() for p in model.parameters()),
               "weight_sum": float(sum(p.double().sum() for p in model.parameters())),
-              "losses": losses[::max(1, len(losses) // 100)]}
+              "losses": losses[::max(1, len(losses) // 100)], "loss_every": max(1, len(losses) // 100)}
     if state is not None:
         c = state.counters() or {}
         result.update(c)
@@ -226,6 +228,9 @@ def main():
                    help="a library parameter for every compressed mode (repeatable), e.g. LGRECO_ERROR_METRIC=squared")
     p.add_argument("--decision-log", metavar="PREFIX",
                    help="each compressed mode's decision logs go to PREFIX.MODE.RANK.jsonl")
+    p.add_argument("--plot", metavar="FILE", help="draw the modes' loss curves into FILE (.png, .svg; matplotlib)")
+    p.add_argument("--plot-from", metavar="JSONL", help="draw --plot from the lines of an earlier run's --json file "
+                                                          "instead of training")
     p.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mode", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -235,6 +240,10 @@ def main():
         args.decision_log = os.path.join(logs_dir.name, "decisions")
     if args.rank_main:
         return rank_main(args)
+    if args.plot_from:
+        if not args.plot:
+            raise SystemExit("char_lm: --plot-from needs --plot FILE")
+        return plot_losses(read_summaries(args.plot_from), args.plot)
     summary = {}
     for mode in args.modes.split(","):
         if mode not in MODES:
@@ -242,12 +251,13 @@ def main():
         results, _ = run_mode(args, mode)
         r0 = results[0]
         same = len({r["weight_sum"] for r in results}) == 1
-        line = {"mode": mode, "size": args.size, "seed": args.seed, "optimizer": args.optimizer, "set": dict(args.set),
+        line = {"mode": mode, "size": args.size, "seed": args.seed, "optimizer": args.optimizer, "ranks": args.ranks,
+                "set": dict(args.set),
                 "val_loss": r0["val_loss"], "train_loss": r0["train_loss"],
                 "bytes_vs_fp32": r0.get("bytes_vs_fp32", 1.0), "bits_per_value": r0.get("bits_per_value", 32.0),
                 "compressed_calls": r0.get("compressed_calls", 0), "calls": r0.get("calls", 0),
                 "wall_s": max(r["wall_s"] for r in results), "parameters": r0["parameters"],
-                "ranks_identical": same, "losses": r0["losses"]}
+                "ranks_identical": same, "losses": r0["losses"], "loss_every": r0["loss_every"]}
         summary[mode] = line
         print("RESULT mode=%s val_loss=%.4f train_loss=%.4f bytes_vs_fp32=%.4f bits_per_value=%.2f "
               "compressed_calls=%d/%d wall_s=%.1f parameters=%d ranks_identical=%s" %
@@ -256,8 +266,84 @@ def main():
         if args.json:
             with open(args.json, "a") as f:
                 f.write(json.dumps(line) + "\n")
+    status = 0
+    if args.plot:
+        status = plot_losses(list(summary.values()), args.plot)
     if args.check:
-        return check(summary, args.decision_log)
+        status = check(summary, args.decision_log) or status
+    return status
+
+
+def read_summaries(path):
+    """The lines of a --json file (one mode of one run each)."""
+    try:
+        with open(path) as f:
+            lines = [json.loads(line) for line in f if line.strip()]
+    except (OSError, ValueError) as e:
+        raise SystemExit("char_lm: cannot read %s: %s" % (path, e))
+    for i, line in enumerate(lines, 1):
+        if not isinstance(line, dict) or not {"mode", "losses", "val_loss", "bytes_vs_fp32"} <= set(line):
+            raise SystemExit("char_lm: %s:%d: not a char_lm --json line" % (path, i))
+    return lines
+
+
+MODE_COLOURS = {"none": "black", "uniform": "tab:blue", "adaptive": "tab:red", "topk": "tab:green"}
+
+
+def plot_losses(lines, path):
+    """Training loss over the steps of every mode's rank 0 (the ranks train identical
+    models), smoothed over 5 points with the raw points faint; the legend gives each
+    mode's validation loss and bytes against float32. Lines of one mode with several
+    seeds are drawn dashed after the first. Returns the exit status."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        print("char_lm: --plot needs matplotlib (%s): apt-get install python3-matplotlib" % e)
+        return 1
+    fig = Figure(figsize=(10, 8), layout="constrained")
+    ax, gap = fig.subplots(2, 1, sharex=True, height_ratios=[3, 2])
+
+    def smoothed(y):
+        return [sum(y[max(0, i - 4):i + 1]) / len(y[max(0, i - 4):i + 1]) for i in range(len(y))]
+
+    # The compressed modes' curves lie within a few percent of each other: the lower panel
+    # draws each one's gap to no compression's of the same seed, where the differences show.
+    reference = {line.get("seed"): smoothed(line["losses"]) for line in lines if line["mode"] == "none"}
+    seen = set()
+    for line in lines:
+        mode = line["mode"]
+        every = line.get("loss_every", 1)
+        x = [i * every for i in range(len(line["losses"]))]
+        smooth = smoothed(line["losses"])
+        colour = MODE_COLOURS.get(mode, "tab:gray")
+        style = "-" if mode not in seen else "--"
+        seen.add(mode)
+        label = "%s%s: val loss %.4f, %.4f of float32's bytes" % (
+            mode, " (seed %s)" % line["seed"] if "seed" in line else "", line["val_loss"], line["bytes_vs_fp32"])
+        ax.plot(x, line["losses"], ".", color=colour, alpha=0.2, ms=3)
+        ax.plot(x, smooth, style, color=colour, lw=1.5, label=label)
+        base = reference.get(line.get("seed"))
+        if mode != "none" and base and len(base) == len(smooth):
+            gap.plot(x, [a - b for a, b in zip(smooth, base)], style, color=colour, lw=1.5, label=label.split(":")[0])
+    first = lines[0] if lines else {}
+    ax.set_ylabel("training loss (rank 0, nats)")
+    ax.set_title("char_lm %s, %s, %s ranks of DDP on gloo: training loss by mode (mean of 5 points; dots: raw)" % (
+        first.get("size", "?"), first.get("optimizer", "?"), first.get("ranks", 4)))
+    ax.legend(loc="upper right", fontsize="small")
+    gap.axhline(0.0, color="black", lw=0.8)
+    gap.set_xlabel("step")
+    gap.set_ylabel("loss - no compression's")
+    gap.set_title("gap to no compression (same seed, both smoothed)")
+    if gap.get_lines()[1:]:
+        gap.legend(loc="upper right", fontsize="small")
+    for a in (ax, gap):
+        a.grid(True, alpha=0.3)
+    try:
+        fig.savefig(path, dpi=100)
+    except (OSError, ValueError) as e:
+        print("char_lm: cannot write %s: %s" % (path, getattr(e, "strerror", None) or e))
+        return 1
+    print("char_lm: loss curves of %d runs: %s" % (len(lines), path))
     return 0
 
 
