@@ -1312,4 +1312,15 @@ void Engine::reduce_scatter_allgather(BucketState& b, const EngineCall& call, Ca
   timing.stop_codec(backend_);
 }
 
+std::unique_ptr<Engine> make_engine_or_pass_through(EngineOptions options, std::vector<BucketLayout> buckets,
+                                                    Fabric& fabric, Backend& backend) {
+  try {
+    return std::make_unique<Engine>(options, std::move(buckets), fabric, backend);
+  } catch (const std::invalid_argument& e) {
+    options.valid = false;
+    options.invalid_reason = std::string("the buckets' layouts: ") + e.what();
+    return std::make_unique<Engine>(options, std::vector<BucketLayout>{}, fabric, backend);
+  }
+}
+
 }  // namespace lgreco::collective

@@ -237,6 +237,13 @@ class Engine {
   EngineCounters counters_;
 };
 
+// An engine for `buckets`, or, where their layouts are rejected (the constructor's
+// std::invalid_argument), an engine with no buckets marked invalid with the reason: this
+// rank still joins the engine's agreement, so every rank passes through together instead
+// of one rank failing alone. What else the constructor throws (an allocation) propagates.
+std::unique_ptr<Engine> make_engine_or_pass_through(EngineOptions options, std::vector<BucketLayout> buckets,
+                                                    Fabric& fabric, Backend& backend);
+
 // FNV-1a, 64 bits: the digests ranks compare (not a security measure; collisions between
 // honest configurations are what matters, and 64 bits make them negligible).
 uint64_t digest(std::string_view text, uint64_t seed = 0xcbf29ce484222325ull);

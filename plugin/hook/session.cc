@@ -44,16 +44,7 @@ std::unique_ptr<Session> Session::open(const SessionOptions& options, const conf
   std::vector<collective::BucketLayout> buckets;
   for (const config::RegisteredBucket& b : layout.buckets)
     buckets.push_back(collective::layout_from_registration(b, engine_options));
-  try {
-    s->engine_ = std::make_unique<collective::Engine>(engine_options, std::move(buckets), *s->fabric_, *s->backend_);
-  } catch (const std::invalid_argument& e) {
-    // Still an engine, marked invalid, so that this rank joins the agreement and every
-    // rank passes through together (as the shim does).
-    engine_options.valid = false;
-    engine_options.invalid_reason = std::string("the buckets' layouts: ") + e.what();
-    s->engine_ = std::make_unique<collective::Engine>(engine_options, std::vector<collective::BucketLayout>{},
-                                                      *s->fabric_, *s->backend_);
-  }
+  s->engine_ = collective::make_engine_or_pass_through(engine_options, std::move(buckets), *s->fabric_, *s->backend_);
   LGRECO_INFO("ENGINE", "comm hook: rank %d/%d: %zu buckets, %zu layers", options.rank, options.world_size,
               layout.buckets.size(), layout.layer_count());
   return s;

@@ -617,9 +617,8 @@ void Shim::agree(CommState& s, const Call& call) {
 
 // The engine of the matcher's current pattern: one for the registration's buckets, or
 // (auto mode) one per learned pattern. A layout the engine rejects still gets an engine,
-// marked invalid, so that this rank joins the engine's own agreement and every rank
-// passes through together. Returns false (s.pass_reason says why) when not even that
-// engine can be made: the communicator is then broken.
+// marked invalid (collective::make_engine_or_pass_through). Returns false (s.pass_reason
+// says why) when not even that engine can be made: the communicator is then broken.
 bool Shim::ensure_engine(CommState& s, const config::Match& match) {
   const bool registered = match.kind == config::Match::Kind::kRegistered;
   if (s.engine && (registered || s.engine_generation == s.matcher->pattern_generation())) return true;
@@ -645,13 +644,7 @@ bool Shim::ensure_engine(CommState& s, const config::Match& match) {
   s.engine_generation = s.matcher->pattern_generation();
   s.memory_reported = false;
   try {
-    try {
-      s.engine = std::make_unique<Engine>(options, std::move(buckets), *s.fabric, *s.backend);
-    } catch (const std::invalid_argument& e) {
-      options.valid = false;
-      options.invalid_reason = std::string("the buckets' layouts: ") + e.what();
-      s.engine = std::make_unique<Engine>(options, std::vector<collective::BucketLayout>{}, *s.fabric, *s.backend);
-    }
+    s.engine = collective::make_engine_or_pass_through(options, std::move(buckets), *s.fabric, *s.backend);
   } catch (const std::bad_alloc&) {
     s.pass_reason = "cannot allocate the engine's agreement buffer (LGRECO_MAX_MEMORY?)";
     return false;

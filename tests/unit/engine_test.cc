@@ -492,6 +492,45 @@ BOOST_AUTO_TEST_CASE(configurations_that_differ_pass_through_on_every_rank) {
   }
 }
 
+// A layout that one rank's engine rejects (a layer past the bucket's end) is that rank's
+// own mistake: make_engine_or_pass_through gives it an invalid engine that still joins
+// the agreement, so all three ranks pass through together rather than rank 1 failing
+// alone and the others waiting for it.
+BOOST_AUTO_TEST_CASE(a_layout_one_rank_rejects_passes_through_on_every_rank) {
+  const BucketLayout good = fixed_layout({4096}, {quant(4)}, DType::kFloat32);
+  BucketLayout bad = good;
+  bad.layers[0].numel = good.count + 1;
+  {
+    auto hub = std::make_shared<InProcHub>(1, 1000ms);
+    InProcFabric fabric(hub, 0);
+    CpuBackend backend;
+    BOOST_CHECK_THROW(Engine(fixed_options(Algorithm::kAuto, true), {bad}, fabric, backend), std::invalid_argument);
+  }
+  auto hub = std::make_shared<InProcHub>(3, 10000ms);
+  std::vector<std::vector<CallOutcome>> outcomes(3);
+  std::vector<std::vector<float>> data(3);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 3; ++r)
+    threads.emplace_back([&, r] {
+      InProcFabric fabric(hub, r);
+      CpuBackend backend;
+      const auto engine =
+          make_engine_or_pass_through(fixed_options(Algorithm::kAuto, true), {r == 1 ? bad : good}, fabric, backend);
+      data[r].assign(4096, 0.5f + static_cast<float>(r));
+      for (uint64_t step = 0; step < 3; ++step)
+        outcomes[r].push_back(
+            engine->allreduce({0, step, data[r].data(), data[r].data(), 4096, DType::kFloat32, ReduceOp::kSum}));
+    });
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < 3; ++r) BOOST_TEST_CONTEXT("rank " << r) {
+      for (const CallOutcome& o : outcomes[r]) BOOST_TEST((o.kind == CallOutcome::Kind::kPassThrough));
+      BOOST_TEST(test::contains(outcomes[r][0].message, "invalid configuration or a local failure"),
+                 outcomes[r][0].message);
+      BOOST_TEST(test::contains(outcomes[r][0].message, "on rank(s) 1"), outcomes[r][0].message);
+      BOOST_TEST(data[r][17] == 0.5f + static_cast<float>(r));  // untouched: the caller reduces
+    }
+}
+
 BOOST_AUTO_TEST_CASE(a_rank_that_stops_gives_errors_not_a_hang) {
   Job job;
   job.ranks = 4;
