@@ -82,6 +82,7 @@ class CommHookState:
         self._engine_layout = None
         self._first_step = 0
         self._layout_changed = False
+        self._entries = {}           # per bucket index: (what identifies it, its layout entry)
         # The worker thread's: the engine, opened at its first call.
         self._session = None
         self._error = None
@@ -143,6 +144,26 @@ class CommHookState:
         self._layout_changed = False
         self._recording = {} if self._engine_layout is None else None
 
+    def _bucket_entry(self, index, buffer, dtype, params):
+        """(count, dtype, layers) of a bucket as the layout document holds it. The layer
+        list is built again only when the bucket's parameters (the same tensors, the same
+        sizes) or its buffer changed, not at every call."""
+        key = (buffer.numel(), dtype, tuple((id(p), p.shape) for p in params))
+        cached = self._entries.get(index)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        layers = []
+        offset = 0
+        for p in params:
+            n = p.numel()
+            if n:
+                layers.append({"name": self._names.get(id(p), "bucket%d.param%d" % (index, len(layers))),
+                               "offset": offset, "numel": n, "shape": [int(d) for d in p.shape]})
+            offset += n
+        entry = (buffer.numel(), dtype, layers)
+        self._entries[index] = (key, entry)
+        return entry
+
     def _submit(self, bucket):
         import torch  # noqa: PLC0415
         index = bucket.index()
@@ -153,15 +174,7 @@ class CommHookState:
         if index == 0:
             self._start_iteration()
         dtype = str(buffer.dtype)
-        layers = []
-        offset = 0
-        for p in bucket.parameters():
-            n = p.numel()
-            if n:
-                layers.append({"name": self._names.get(id(p), "bucket%d.param%d" % (index, len(layers))),
-                               "offset": offset, "numel": n, "shape": [int(d) for d in p.shape]})
-            offset += n
-        entry = (buffer.numel(), dtype, layers)
+        entry = self._bucket_entry(index, buffer, dtype, bucket.parameters())
         layout = None
         if self._engine_layout is None:
             if dtype in _DTYPE_CODES:
