@@ -228,6 +228,12 @@ void Controller::run() {
     std::shared_ptr<const Assignment> assignment = solve_job(*job);
     {
       std::lock_guard<std::mutex> lock(mutex_);
+      // Counted where the result is published, so that a reader who sees the count also
+      // finds the result (assignment_for_step does not wait for it).
+      if (assignment)
+        ++counters_.solves;
+      else
+        ++counters_.failed_solves;
       results_.push_back(Result{job->epoch, std::move(assignment)});
     }
     result_ready_.notify_all();
@@ -564,16 +570,13 @@ std::shared_ptr<const Assignment> Controller::solve_job(const Job& job) {
 std::shared_ptr<const Assignment> Controller::failed(const Job& job, const char* what) {
   // Deterministic inputs fail identically on every rank, so all keep their assignment.
   // One WARN per controller; later failures at INFO.
-  bool first;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    first = counters_.failed_solves++ == 0;
-  }
-  if (first)
+  if (!warned_failure_) {
+    warned_failure_ = true;
     LGRECO_WARN("CTRL", "solving epoch %llu failed: %s; keeping the current assignment", ull(job.epoch), what);
-  else
+  } else {
     LGRECO_INFO("CTRL", "solving epoch %llu failed: %s; keeping the current assignment", ull(job.epoch), what);
-  return nullptr;
+  }
+  return nullptr;  // counted in failed_solves when published (run)
 }
 
 std::shared_ptr<const Assignment> Controller::solve_and_log(const Job& job, const WindowReading& reading,
@@ -675,8 +678,7 @@ std::shared_ptr<const Assignment> Controller::solve_and_log(const Job& job, cons
     chosen_defaults_[l] = built.measured[l] ? job.stats.mean(l, layers_[l].default_index) : 0.0;
   assignment->solution = std::move(solution);
   std::lock_guard<std::mutex> lock(mutex_);
-  ++counters_.solves;
-  counters_.last_solve_ms = solve_ms;
+  counters_.last_solve_ms = solve_ms;  // solves is counted when the result is published (run)
   return assignment;
 }
 

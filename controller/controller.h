@@ -246,6 +246,7 @@ class Controller {
   const std::vector<Layer> layers_;
   const SolveFunction solve_;
   FILE* decision_log_ = nullptr;  // written by the solver thread only
+  bool warned_failure_ = false;   // one WARN for a failed solve, later ones INFO; solver thread only
   // The closed loop's state (solver thread only): alpha_eff, and the choices in effect
   // during the window being solved (the last successful solve's, or the defaults); each
   // layer's gradient magnitude in the window before (0: unknown).
