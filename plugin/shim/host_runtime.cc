@@ -25,7 +25,13 @@ std::unique_ptr<collective::Backend::Buffer> HostBackend::counted(uint64_t bytes
   return buffer;
 }
 
-std::unique_ptr<collective::Backend::Buffer> HostBackend::allocate(uint64_t bytes) { return counted(bytes, true); }
+std::unique_ptr<collective::Backend::Buffer> HostBackend::allocate(uint64_t bytes) {
+  if (allocation_log_) {
+    std::lock_guard<std::mutex> lock(allocation_log_->mutex);
+    allocation_log_->streams.push_back(stream_);
+  }
+  return counted(bytes, true);
+}
 std::unique_ptr<collective::Backend::Buffer> HostBackend::allocate_host(uint64_t bytes) {
   return counted(bytes, false);
 }
@@ -40,7 +46,12 @@ std::unique_ptr<StreamBackend> HostRuntime::create_backend(int, uint64_t memory_
     std::lock_guard<std::mutex> lock(mutex_);
     if (unusable_) throw std::runtime_error("the host runtime was told to fail (test)");
   }
-  return std::make_unique<HostBackend>(memory_cap);
+  return std::make_unique<HostBackend>(memory_cap, allocation_log_);
+}
+
+std::vector<nccl::Stream> HostRuntime::allocation_streams() const {
+  std::lock_guard<std::mutex> lock(allocation_log_->mutex);
+  return allocation_log_->streams;
 }
 
 void HostRuntime::set_capturing(nccl::Stream stream, bool capturing) {

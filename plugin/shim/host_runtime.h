@@ -4,17 +4,27 @@
 // shim's own host cost. Buffers count against the cap as the CUDA backend's do.
 #pragma once
 
+#include <memory>
 #include <mutex>
 #include <set>
+#include <vector>
 
 #include "plugin/collective/cpu_backend.h"
 #include "plugin/shim/device_runtime.h"
 
 namespace lgreco::shim {
 
+// The stream current at each device allocation, in order, of all the backends of one
+// runtime: what a CUDA backend's stream-ordered allocation would be queued on (tests).
+struct AllocationStreams {
+  std::mutex mutex;
+  std::vector<nccl::Stream> streams;
+};
+
 class HostBackend final : public StreamBackend {
  public:
-  explicit HostBackend(uint64_t memory_cap) : cap_(memory_cap) {}
+  explicit HostBackend(uint64_t memory_cap, std::shared_ptr<AllocationStreams> log = nullptr)
+      : cap_(memory_cap), allocation_log_(std::move(log)) {}
   std::string name() const override { return "host"; }
   void set_stream(nccl::Stream stream) override { stream_ = stream; }
   nccl::Stream stream() const { return stream_; }
@@ -107,6 +117,7 @@ class HostBackend final : public StreamBackend {
   // the backend).
   std::shared_ptr<Held> held_ = std::make_shared<Held>();
   nccl::Stream stream_ = nullptr;
+  std::shared_ptr<AllocationStreams> allocation_log_;
 };
 
 class HostRuntime final : public DeviceRuntime {
@@ -118,8 +129,11 @@ class HostRuntime final : public DeviceRuntime {
 
   void set_capturing(nccl::Stream stream, bool capturing);
   void set_unusable(bool unusable);  // create_backend() throws, as without a device
+  // The stream current at each device allocation of this runtime's backends, in order.
+  std::vector<nccl::Stream> allocation_streams() const;
 
  private:
+  std::shared_ptr<AllocationStreams> allocation_log_ = std::make_shared<AllocationStreams>();
   std::mutex mutex_;
   std::set<nccl::Stream> capturing_;
   bool unusable_ = false;

@@ -490,12 +490,13 @@ nccl::Result Shim::dispatch_on(CommState& s, const Call& call) {
   compressible_dtype(call.dtype, &dtype);
   const config::Match m = s.matcher->match({reinterpret_cast<uintptr_t>(call.recv), call.count, dtype});
   if (m.kind == config::Match::Kind::kPassThrough) return pass(&s, call, m.reason);
+  // The call's stream before the engine exists: a new engine allocates its buffers
+  // stream-ordered, and they must not be queued on the previous call's stream.
+  s.backend->set_stream(call.stream);
+  s.fabric->set_stream(call.stream);
   if (!ensure_engine(s, m)) return fail(s, s.pass_reason);
   const int bucket = m.bucket < s.engine_bucket.size() ? s.engine_bucket[m.bucket] : -1;
   if (bucket < 0) return pass(&s, call, "no layout for this buffer");
-
-  s.backend->set_stream(call.stream);
-  s.fabric->set_stream(call.stream);
   EngineCall ec;
   ec.bucket = static_cast<uint32_t>(bucket);
   ec.step = m.step;

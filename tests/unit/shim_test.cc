@@ -389,6 +389,38 @@ BOOST_AUTO_TEST_CASE(a_group_with_other_operations_is_forwarded_in_the_users_ord
   BOOST_TEST(job.shims[0]->counters(job.fake.comm(0))->pass_reasons.at("inside a group with other operations") == 2u);
 }
 
+// A CUDA backend allocates stream-ordered: whatever the engine allocates inside a call must
+// be queued on that call's stream, also when the engine is made on a later call than the
+// configuration exchange (the auto pattern is learned first), on a stream of its own.
+BOOST_AUTO_TEST_CASE(every_allocation_inside_a_call_is_on_that_calls_stream) {
+  Job job(2);
+  constexpr int kSteps = 24;  // the auto pattern needs 32 recurring calls (BucketMatcher::kMinAutoRun)
+  const std::vector<size_t> counts{6000, 9000};
+  job.run([&](int r) {
+    Shim& shim = *job.shims[r];
+    std::vector<std::vector<float>> buffers;  // the same addresses every step, as DDP's buckets
+    for (size_t n : counts) buffers.emplace_back(n);
+    size_t later_allocations = 0;  // made in a call after the first
+    for (int step = 0; step < kSteps; ++step) {
+      const auto stream = reinterpret_cast<nccl::Stream>(uintptr_t{0x100000} + 0x100 * step + 16 * r);
+      for (size_t b = 0; b < counts.size(); ++b) {
+        const std::vector<float> g = gradient(7, r, static_cast<int>(b), step, counts[b]);
+        std::copy(g.begin(), g.end(), buffers[b].begin());
+        float* data = buffers[b].data();
+        const size_t before = job.runtimes[r]->allocation_streams().size();
+        EXPECT(shim.all_reduce(data, data, counts[b], nccl::kFloat32, nccl::kSum, job.fake.comm(r), stream) ==
+               nccl::kSuccess);
+        const std::vector<nccl::Stream> after = job.runtimes[r]->allocation_streams();
+        for (size_t i = before; i < after.size(); ++i) EXPECT(after[i] == stream);
+        if (step > 0 || b > 0) later_allocations += after.size() - before;
+      }
+    }
+    EXPECT(later_allocations > 0);  // the case this test is about happened
+    EXPECT(shim.counters(job.fake.comm(r))->compressed > 0u);
+  });
+  BOOST_TEST(job.fake.violation() == "");
+}
+
 BOOST_AUTO_TEST_CASE(graph_capture_and_in_progress_communicators_pass_through) {
   Job job(2);
   for (auto* rt : job.runtimes) rt->set_capturing(stream_of(0), true), rt->set_capturing(stream_of(1), true);
