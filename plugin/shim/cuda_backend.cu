@@ -62,6 +62,28 @@ void check(cudaError_t e, const char* call) {
   if (e != cudaSuccess) cuda_failed(e, call);
 }
 
+// Whether a CUDA context is current on this thread: cuCtxGetCurrent, reached through the
+// runtime's driver entry point so that nothing links libcuda. A thread with none (one that
+// never used CUDA) reads device 0 from cudaGetDevice, and setting that device back would
+// create a stray primary context on GPU 0 of a multi-GPU node. Unknown counts as current
+// (the device is then restored, as before this check).
+bool context_is_current() {
+  using GetCurrent = int (*)(void**);  // CUresult cuCtxGetCurrent(CUcontext*)
+  static const GetCurrent get = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult status{};
+    if (cudaGetDriverEntryPointByVersion("cuCtxGetCurrent", &fn, 12000, cudaEnableDefault, &status) != cudaSuccess ||
+        status != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();  // not the framework's error
+      fn = nullptr;
+    }
+    return reinterpret_cast<GetCurrent>(fn);
+  }();
+  if (!get) return true;
+  void* context = nullptr;
+  return get(&context) != 0 || context != nullptr;
+}
+
 // Makes `device` current for the guard's life and then restores the caller's device:
 // the framework's thread may have another device current than the communicator's.
 // kQuiet is for destructors: a failure there is not thrown (it has been or will be
@@ -70,6 +92,7 @@ class DeviceGuard {
  public:
   enum OnError { kThrow, kQuiet };
   explicit DeviceGuard(int device, OnError on_error = kThrow) {
+    const bool had_context = context_is_current();
     const cudaError_t got = cudaGetDevice(&previous_);
     if (got != cudaSuccess) {
       if (on_error == kThrow) cuda_failed(got, "cudaGetDevice");
@@ -77,7 +100,8 @@ class DeviceGuard {
     }
     if (previous_ == device) return;
     const cudaError_t e = cudaSetDevice(device);
-    if (e == cudaSuccess) restore_ = true;
+    if (e == cudaSuccess)
+      restore_ = had_context;  // none before: leave `device`, make none on GPU 0
     else if (on_error == kThrow) cuda_failed(e, "cudaSetDevice(" + std::to_string(device) + ")");
   }
   ~DeviceGuard() {
@@ -612,6 +636,7 @@ std::string built_architectures() {
 }  // namespace
 
 std::unique_ptr<CudaBackend> CudaBackend::create(int device, uint64_t memory_cap) {
+  const bool had_context = context_is_current();
   int previous = 0;
   cudaError_t e = cudaGetDevice(&previous);
   if (e == cudaSuccess) e = cudaSetDevice(device);
@@ -620,7 +645,7 @@ std::unique_ptr<CudaBackend> CudaBackend::create(int device, uint64_t memory_cap
     throw std::runtime_error("lgreco: cannot use CUDA device " + std::to_string(device) +
                              ": cudaSetDevice failed: " + cudaGetErrorName(e) + ": " + cudaGetErrorString(e));
   }
-  cudaSetDevice(previous);
+  if (had_context) cudaSetDevice(previous);
   std::unique_ptr<CudaBackend> backend(new CudaBackend(device, memory_cap));
   DeviceGuard guard(device);
   Shared& shared = *backend->shared_;
@@ -635,6 +660,12 @@ std::unique_ptr<CudaBackend> CudaBackend::create(int device, uint64_t memory_cap
     props.location.type = cudaMemLocationTypeDevice;
     props.location.id = device;
     check(cudaMemPoolCreate(&shared.pool, &props), "cudaMemPoolCreate");
+    // Keep what the pool holds: with the default threshold (0) its memory goes back to the
+    // driver at every synchronisation and the next step allocates it again. What it holds
+    // is bounded by LGRECO_MAX_MEMORY, counted by this backend.
+    uint64_t keep_all = UINT64_MAX;  // a cuuint64_t, as the attribute wants
+    check(cudaMemPoolSetAttribute(shared.pool, cudaMemPoolAttrReleaseThreshold, &keep_all),
+          "cudaMemPoolSetAttribute (release threshold)");
     // Every GPU that can reach this one may access the pool's memory, as it could
     // cudaMalloc'd memory once peer access is enabled (NCCL's P2P direct mode).
     int devices = 0;
