@@ -92,13 +92,14 @@ class DeviceGuard {
  public:
   enum OnError { kThrow, kQuiet };
   explicit DeviceGuard(int device, OnError on_error = kThrow) {
-    const bool had_context = context_is_current();
     const cudaError_t got = cudaGetDevice(&previous_);
     if (got != cudaSuccess) {
       if (on_error == kThrow) cuda_failed(got, "cudaGetDevice");
       return;
     }
     if (previous_ == device) return;
+    // Asked only when switching: most guards find the device already current.
+    const bool had_context = context_is_current();
     const cudaError_t e = cudaSetDevice(device);
     if (e == cudaSuccess)
       restore_ = had_context;  // none before: leave `device`, make none on GPU 0
