@@ -636,6 +636,62 @@ std::string built_architectures() {
 }
 }  // namespace
 
+namespace {
+// lgreco's own memory pool on `device`, with its release threshold and peer access, and
+// the stream frees run on. False (one WARN per process, nothing left behind, no error
+// left set) when any of it fails, as it may in sandboxed or virtualised runtimes: the
+// backend then allocates with plain cudaMalloc, which peers can reach too (never the
+// device's default pool, whose access the framework owns).
+bool make_private_pool(CudaBackend::Shared& shared, int device) {
+  const char* failed = nullptr;
+  cudaError_t e = cudaSuccess;
+  cudaMemPoolProps props{};
+  props.allocType = cudaMemAllocationTypePinned;
+  props.location.type = cudaMemLocationTypeDevice;
+  props.location.id = device;
+  // Keep what the pool holds: with the default threshold (0) its memory goes back to the
+  // driver at every synchronisation and the next step allocates it again. What it holds
+  // is bounded by LGRECO_MAX_MEMORY, counted by this backend.
+  uint64_t keep_all = UINT64_MAX;  // a cuuint64_t, as the attribute wants
+  if ((e = cudaMemPoolCreate(&shared.pool, &props)) != cudaSuccess)
+    failed = "cudaMemPoolCreate";
+  else if ((e = cudaMemPoolSetAttribute(shared.pool, cudaMemPoolAttrReleaseThreshold, &keep_all)) != cudaSuccess)
+    failed = "cudaMemPoolSetAttribute (release threshold)";
+  else if ((e = cudaStreamCreateWithFlags(&shared.free_stream, cudaStreamNonBlocking)) != cudaSuccess)
+    failed = "cudaStreamCreateWithFlags (frees)";
+  if (failed) {
+    cudaGetLastError();  // not the framework's error
+    if (shared.pool) cudaMemPoolDestroy(shared.pool);
+    shared.pool = nullptr;
+    shared.free_stream = nullptr;
+    cudaGetLastError();
+    LGRECO_WARN_ONCE("SHIM", "private pool",
+                     "cannot make lgreco's memory pool on CUDA device %d (%s failed: %s: %s); lgreco allocates with "
+                     "cudaMalloc and frees with cudaFree instead, which wait for the whole device",
+                     device, failed, cudaGetErrorName(e), cudaGetErrorString(e));
+    return false;
+  }
+  // Every GPU that can reach this one may access the pool's memory, as it could
+  // cudaMalloc'd memory once peer access is enabled (NCCL's P2P direct mode).
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess) cudaGetLastError(), devices = 0;
+  for (int peer = 0; peer < devices; ++peer) {
+    int can = 0;
+    if (peer == device || cudaDeviceCanAccessPeer(&can, peer, device) != cudaSuccess || !can) continue;
+    cudaMemAccessDesc access{};
+    access.location.type = cudaMemLocationTypeDevice;
+    access.location.id = peer;
+    access.flags = cudaMemAccessFlagsProtReadWrite;
+    if (cudaMemPoolSetAccess(shared.pool, &access, 1) != cudaSuccess) {
+      cudaGetLastError();
+      LGRECO_INFO("SHIM", "cannot give CUDA device %d access to lgreco's memory on device %d", peer, device);
+    }
+  }
+  cudaGetLastError();  // cudaDeviceCanAccessPeer's errors are not the framework's
+  return true;
+}
+}  // namespace
+
 std::unique_ptr<CudaBackend> CudaBackend::create(int device, uint64_t memory_cap) {
   const bool had_context = context_is_current();
   int previous = 0;
@@ -654,38 +710,8 @@ std::unique_ptr<CudaBackend> CudaBackend::create(int device, uint64_t memory_cap
   int pools = 0;
   check(cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, device),
         "cudaDeviceGetAttribute (memory pools)");
-  shared.pools = pools != 0;
-  if (shared.pools) {
-    cudaMemPoolProps props{};
-    props.allocType = cudaMemAllocationTypePinned;
-    props.location.type = cudaMemLocationTypeDevice;
-    props.location.id = device;
-    check(cudaMemPoolCreate(&shared.pool, &props), "cudaMemPoolCreate");
-    // Keep what the pool holds: with the default threshold (0) its memory goes back to the
-    // driver at every synchronisation and the next step allocates it again. What it holds
-    // is bounded by LGRECO_MAX_MEMORY, counted by this backend.
-    uint64_t keep_all = UINT64_MAX;  // a cuuint64_t, as the attribute wants
-    check(cudaMemPoolSetAttribute(shared.pool, cudaMemPoolAttrReleaseThreshold, &keep_all),
-          "cudaMemPoolSetAttribute (release threshold)");
-    // Every GPU that can reach this one may access the pool's memory, as it could
-    // cudaMalloc'd memory once peer access is enabled (NCCL's P2P direct mode).
-    int devices = 0;
-    if (cudaGetDeviceCount(&devices) != cudaSuccess) cudaGetLastError(), devices = 0;
-    for (int peer = 0; peer < devices; ++peer) {
-      int can = 0;
-      if (peer == device || cudaDeviceCanAccessPeer(&can, peer, device) != cudaSuccess || !can) continue;
-      cudaMemAccessDesc access{};
-      access.location.type = cudaMemLocationTypeDevice;
-      access.location.id = peer;
-      access.flags = cudaMemAccessFlagsProtReadWrite;
-      if (cudaMemPoolSetAccess(shared.pool, &access, 1) != cudaSuccess) {
-        cudaGetLastError();
-        LGRECO_INFO("SHIM", "cannot give CUDA device %d access to lgreco's memory on device %d", peer, device);
-      }
-    }
-    cudaGetLastError();  // cudaDeviceCanAccessPeer's errors are not the framework's
-    check(cudaStreamCreateWithFlags(&shared.free_stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags (frees)");
-  } else {
+  shared.pools = pools != 0 && make_private_pool(shared, device);  // false: it WARNed why
+  if (pools == 0) {
     static std::once_flag once;
     std::call_once(once, [device] {
       LGRECO_INFO("SHIM",
@@ -1456,7 +1482,100 @@ class CudaRuntime final : public DeviceRuntime {
   std::unique_ptr<StreamBackend> create_backend(int device, uint64_t memory_cap) override {
     return CudaBackend::create(device, memory_cap);
   }
+  std::unique_ptr<ExchangeMemory> exchange_memory(int device) override;
 };
+
+// The configuration exchange's memory when no backend could be made: plain cudaMalloc and
+// cudaMallocHost (whose frees wait for the device: this happens once, on a rank that will
+// pass its calls through), copies on the call's stream, and a read-back that polls the
+// stream itself (cudaStreamQuery), so that nothing of lgreco's own (pool, stream, event)
+// is needed.
+class PlainBuffer final : public collective::Backend::Buffer {
+ public:
+  PlainBuffer(void* data, uint64_t bytes, int device, bool host)
+      : data_(data), bytes_(bytes), device_(device), host_(host) {}
+  ~PlainBuffer() override {
+    DeviceGuard guard(device_, DeviceGuard::kQuiet);
+    const cudaError_t e = host_ ? cudaFreeHost(data_) : cudaFree(data_);
+    if (e != cudaSuccess) cudaGetLastError();
+  }
+  void* data() override { return data_; }
+  uint64_t bytes() const override { return bytes_; }
+
+ private:
+  void* data_;
+  uint64_t bytes_;
+  int device_;
+  bool host_;
+};
+
+class StreamDrained final : public Event {
+ public:
+  StreamDrained(cudaStream_t stream, int device) : stream_(stream), device_(device) {}
+  bool ready() override {
+    DeviceGuard guard(device_);
+    const cudaError_t e = cudaStreamQuery(stream_);
+    if (e == cudaSuccess) return true;
+    if (e == cudaErrorNotReady) return false;
+    cuda_failed(e, "cudaStreamQuery (configuration exchange)");
+  }
+  void wait() override {
+    DeviceGuard guard(device_);
+    check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize (configuration exchange)");
+  }
+
+ private:
+  cudaStream_t stream_;
+  int device_;
+};
+
+class PlainExchangeMemory final : public ExchangeMemory {
+ public:
+  explicit PlainExchangeMemory(int device) : device_(device) {}
+  void set_stream(nccl::Stream stream) override { stream_ = stream; }
+  std::unique_ptr<Buffer> allocate(uint64_t bytes) override { return make(bytes, false); }
+  std::unique_ptr<Buffer> allocate_host(uint64_t bytes) override { return make(bytes, true); }
+  void upload(void* dst, const void* host_src, uint64_t bytes) override {
+    DeviceGuard guard(device_);
+    check(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, stream_), "cudaMemcpyAsync (exchange)");
+  }
+  std::unique_ptr<Event> read_back(void* host_dst, const void* src, uint64_t bytes) override {
+    DeviceGuard guard(device_);
+    check(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, stream_), "cudaMemcpyAsync (exchange)");
+    return std::make_unique<StreamDrained>(stream_, device_);
+  }
+
+ private:
+  std::unique_ptr<Buffer> make(uint64_t bytes, bool host) {
+    DeviceGuard guard(device_);
+    void* data = nullptr;
+    const uint64_t n = std::max<uint64_t>(bytes, 1);
+    const cudaError_t e = host ? cudaMallocHost(&data, n) : cudaMalloc(&data, n);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      throw std::runtime_error(std::string("lgreco: ") + (host ? "cudaMallocHost" : "cudaMalloc") + " of " +
+                               std::to_string(n) + " bytes on CUDA device " + std::to_string(device_) +
+                               " failed: " + cudaGetErrorName(e) + ": " + cudaGetErrorString(e));
+    }
+    if (host) memset(data, 0, n);
+    return std::make_unique<PlainBuffer>(data, bytes, device_, host);
+  }
+
+  int device_;
+  cudaStream_t stream_ = nullptr;
+};
+
+std::unique_ptr<ExchangeMemory> CudaRuntime::exchange_memory(int device) {
+  int count = 0;
+  const cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess || device < 0 || device >= count) {
+    cudaGetLastError();
+    throw std::runtime_error("lgreco: cannot use CUDA device " + std::to_string(device) + ": " +
+                             (e != cudaSuccess ? std::string("cudaGetDeviceCount failed: ") + cudaGetErrorName(e)
+                                               : "there are " + std::to_string(count) + " devices"));
+  }
+  return std::make_unique<PlainExchangeMemory>(device);
+}
 
 }  // namespace
 

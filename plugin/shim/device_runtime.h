@@ -31,6 +31,39 @@ class StreamBackend : public collective::Backend {
   virtual std::string unusable_reason() const { return {}; }
 };
 
+// What the configuration exchange (shim.h) needs of a device: a little device and pinned
+// host memory, a copy in, a copy back, on the stream the call names. A StreamBackend has
+// all of it (BackendExchangeMemory below); DeviceRuntime::exchange_memory makes it alone,
+// with nothing of lgreco's own on the device (CUDA: plain cudaMalloc and cudaMallocHost,
+// no pool, stream or event), for a rank whose backend cannot be made, so that the rank
+// still takes part and reports "cannot compress" instead of leaving its peers waiting.
+class ExchangeMemory {
+ public:
+  using Buffer = collective::Backend::Buffer;
+  virtual ~ExchangeMemory() = default;
+  virtual void set_stream(nccl::Stream stream) = 0;
+  virtual std::unique_ptr<Buffer> allocate(uint64_t bytes) = 0;
+  virtual std::unique_ptr<Buffer> allocate_host(uint64_t bytes) = 0;  // what read_back copies into
+  virtual void upload(void* dst, const void* host_src, uint64_t bytes) = 0;
+  virtual std::unique_ptr<collective::Event> read_back(void* host_dst, const void* src, uint64_t bytes) = 0;
+};
+
+// A backend's own operations, as ExchangeMemory.
+class BackendExchangeMemory final : public ExchangeMemory {
+ public:
+  explicit BackendExchangeMemory(StreamBackend& backend) : backend_(backend) {}
+  void set_stream(nccl::Stream stream) override { backend_.set_stream(stream); }
+  std::unique_ptr<Buffer> allocate(uint64_t bytes) override { return backend_.allocate(bytes); }
+  std::unique_ptr<Buffer> allocate_host(uint64_t bytes) override { return backend_.allocate_host(bytes); }
+  void upload(void* dst, const void* host_src, uint64_t bytes) override { backend_.upload(dst, host_src, bytes); }
+  std::unique_ptr<collective::Event> read_back(void* host_dst, const void* src, uint64_t bytes) override {
+    return backend_.read_back(host_dst, src, bytes);
+  }
+
+ private:
+  StreamBackend& backend_;
+};
+
 class DeviceRuntime {
  public:
   virtual ~DeviceRuntime() = default;
@@ -45,10 +78,16 @@ class DeviceRuntime {
   // as a failed allocation does, so that the engine makes every rank pass through.
   // Throws std::runtime_error when the device cannot be used.
   virtual std::unique_ptr<StreamBackend> create_backend(int device, uint64_t memory_cap) = 0;
+
+  // The configuration exchange's memory on `device` without a backend (ExchangeMemory),
+  // for when create_backend failed. Throws std::runtime_error when not even that works
+  // (the device cannot be made current, or has no memory for a few hundred bytes): NCCL
+  // itself cannot run there either.
+  virtual std::unique_ptr<ExchangeMemory> exchange_memory(int device) = 0;
 };
 
 // The CUDA runtime (plugin/shim/cuda_backend.cu). In a build without CUDA, capturing()
-// answers false and create_backend() throws.
+// answers false and create_backend() and exchange_memory() throw.
 std::unique_ptr<DeviceRuntime> cuda_runtime();
 
 }  // namespace lgreco::shim

@@ -7,6 +7,7 @@
 #include <memory>
 #include <mutex>
 #include <set>
+#include <string>
 #include <vector>
 
 #include "plugin/collective/cpu_backend.h"
@@ -126,17 +127,26 @@ class HostRuntime final : public DeviceRuntime {
   // No graphs on the host; tests name the streams that count as being captured.
   bool capturing(nccl::Stream stream, std::string* error) override;
   std::unique_ptr<StreamBackend> create_backend(int device, uint64_t memory_cap) override;
+  std::unique_ptr<ExchangeMemory> exchange_memory(int device) override;
 
   void set_capturing(nccl::Stream stream, bool capturing);
-  void set_unusable(bool unusable);  // create_backend() throws, as without a device
+  // Failures to inject. fail_backend: create_backend() throws std::runtime_error(why), as
+  // CudaBackend::create does when a stream, an event or the device's memory cannot be had
+  // ("" clears it). set_no_device: exchange_memory() throws too, as without any device.
+  void fail_backend(std::string why);
+  void set_no_device(bool no_device);
+  // How many times exchange_memory() was asked for.
+  int exchange_memories_made() const;
   // The stream current at each device allocation of this runtime's backends, in order.
   std::vector<nccl::Stream> allocation_streams() const;
 
  private:
   std::shared_ptr<AllocationStreams> allocation_log_ = std::make_shared<AllocationStreams>();
-  std::mutex mutex_;
+  mutable std::mutex mutex_;
   std::set<nccl::Stream> capturing_;
-  bool unusable_ = false;
+  std::string backend_failure_;
+  bool no_device_ = false;
+  int exchange_memories_ = 0;
 };
 
 }  // namespace lgreco::shim

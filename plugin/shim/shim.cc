@@ -546,26 +546,54 @@ void Shim::agree(CommState& s, const Call& call) {
     LGRECO_WARN("SHIM", "rank %d/%d: %s; this communicator's allreduce calls return ncclInternalError", s.rank,
                 s.size, s.pass_reason.c_str());
   };
+  // Every local problem from here on (no backend, no memory for the buffers) joins the
+  // exchange as "cannot compress", so that every rank passes through together; only a rank
+  // that cannot even get the exchange's few bytes of device memory is broken.
   std::string problem = local_problem_;
-  std::unique_ptr<collective::Backend::Buffer> device_buffer, host_buffer;
   try {
     s.backend = runtime_->create_backend(s.device, options_.params.max_memory);
     // The call's stream before anything is enqueued: not the legacy default stream, which
     // waits for every blocking stream and breaks a global-mode capture elsewhere.
     s.backend->set_stream(call.stream);
     if (problem.empty()) problem = s.backend->unusable_reason();
-    device_buffer = s.backend->allocate(sizeof(AgreementRecord) * (s.size + 1));
+  } catch (const std::exception& e) {
+    s.backend.reset();
+    if (problem.empty()) problem = std::string("cannot set up lgreco's CUDA backend: ") + e.what();
+  }
+  std::unique_ptr<ExchangeMemory> memory;
+  std::unique_ptr<collective::Backend::Buffer> device_buffer, host_buffer;
+  auto open_buffers = [&](std::unique_ptr<ExchangeMemory> m) {
+    memory = std::move(m);
+    memory->set_stream(call.stream);
+    device_buffer = memory->allocate(sizeof(AgreementRecord) * (s.size + 1));
     // Pinned, so that the copy back is queued and the wait below is ours (a copy to
     // pageable memory would block inside CUDA).
-    host_buffer = s.backend->allocate_host(sizeof(AgreementRecord) * s.size);
-  } catch (const std::exception& e) {
-    return broken("cannot take part in lgreco's configuration exchange (CUDA device " + std::to_string(s.device) +
-                  "): " + e.what());
+    host_buffer = memory->allocate_host(sizeof(AgreementRecord) * s.size);
+  };
+  if (s.backend) {
+    try {
+      open_buffers(std::make_unique<BackendExchangeMemory>(*s.backend));
+    } catch (const std::exception& e) {
+      if (problem.empty()) problem = std::string("cannot allocate the configuration exchange's buffers: ") + e.what();
+      device_buffer.reset(), host_buffer.reset(), memory.reset();
+      s.backend.reset();
+    }
+  }
+  if (!memory) {
+    try {
+      open_buffers(runtime_->exchange_memory(s.device));
+    } catch (const std::exception& e) {
+      return broken("cannot take part in lgreco's configuration exchange (CUDA device " + std::to_string(s.device) +
+                    "): " + problem + "; " + e.what());
+    }
+    // The WARN after the exchange says why every rank passes through.
+    LGRECO_INFO("SHIM", "rank %d/%d: %s; this rank takes part in the configuration exchange as unable to compress",
+                s.rank, s.size, problem.c_str());
   }
   const std::chrono::milliseconds timeout(options_.params.timeout_seconds * 1000);
   s.fabric = std::make_unique<NcclFabric>(api_, s.comm, s.rank, s.size, timeout);
   s.fabric->set_abandoned_flag(&s.abandoned);
-  s.backend->set_stream(call.stream);
+  memory->set_stream(call.stream);
   s.fabric->set_stream(call.stream);
 
   const AgreementRecord mine{collective::digest(config_text_), problem.empty() ? 1u : 0u,
@@ -573,10 +601,10 @@ void Shim::agree(CommState& s, const Call& call) {
   std::vector<AgreementRecord> all(s.size);
   try {
     auto* device = static_cast<uint8_t*>(device_buffer->data());
-    s.backend->upload(device, &mine, sizeof mine);
+    memory->upload(device, &mine, sizeof mine);
     const std::vector<uint64_t> bytes(s.size, sizeof(AgreementRecord));
     s.fabric->all_gather_v(device, bytes, device + sizeof(AgreementRecord));
-    auto ready = s.backend->read_back(host_buffer->data(), device + sizeof(AgreementRecord), host_buffer->bytes());
+    auto ready = memory->read_back(host_buffer->data(), device + sizeof(AgreementRecord), host_buffer->bytes());
     // As long as NCCL would wait for a missing peer (the framework's watchdog bounds
     // that), saying so every LGRECO_TIMEOUT; an abort from another thread ends it.
     auto next_warning = std::chrono::steady_clock::now() + timeout;

@@ -35,11 +35,15 @@
 // WARN every LGRECO_TIMEOUT. Only what cannot differ between the ranks of one job skips
 // it: an unsupported NCCL, and LGRECO_MODE=off (which must then be set on every rank).
 //
-// Failures. A rank that cannot even take part in the exchange (no usable device, no
-// memory for 100 bytes) and a failure after data was queued to peers (a dead peer, a
-// broken connection) make this communicator's calls return ncclInternalError, with the
-// reason in ncclGetLastError: quietly passing through there would pair this rank's
-// allreduce with its peers' exchange.
+// Failures. Whatever goes wrong on one rank before the exchange (its CUDA backend cannot
+// be made: a pool, stream or event refused; no memory for the exchange's buffers within
+// LGRECO_MAX_MEMORY) takes part in it as "cannot compress", through plain device memory of
+// the runtime's (DeviceRuntime::exchange_memory) where the backend has none: every rank
+// then passes through together. A rank that cannot even take part (no usable device at
+// all) and a failure after data was queued to peers (a dead peer, a broken connection)
+// make this communicator's calls return ncclInternalError, with the reason in
+// ncclGetLastError: quietly passing through there would pair this rank's allreduce with
+// its peers' exchange.
 //
 // Communicators: the shim keeps state per communicator, made at its first allreduce from
 // ncclCommUserRank, ncclCommCount and ncclCommCuDevice, so communicators from

@@ -558,12 +558,74 @@ BOOST_AUTO_TEST_CASE(destroying_a_communicator_frees_its_state_and_keeps_its_tot
   });
 }
 
-// A rank that cannot use its device cannot even join the configuration exchange. Its
+// A rank whose CUDA backend cannot be made (a memory pool, stream or event refused, as
+// sandboxed runtimes do) still takes part in the configuration exchange, through the
+// runtime's plain exchange memory, as "cannot compress": every rank passes through
+// together, none waits, and the sums are exact.
+BOOST_AUTO_TEST_CASE(a_rank_whose_backend_cannot_be_made_makes_every_rank_pass_through_together) {
+  const char* failures[] = {"cudaMemPoolCreate failed: cudaErrorNotSupported (injected)",
+                            "cudaStreamCreateWithFlags (frees) failed: cudaErrorNotPermitted (injected)",
+                            "cudaEventCreateWithFlags (last work) failed: cudaErrorMemoryAllocation (injected)"};
+  for (const char* failure : failures) {
+    BOOST_TEST_CONTEXT(failure) {
+      const uint64_t seed = test::run_seed();
+      // A short timeout: a rank left waiting would fail its call, not pass it through.
+      Job job(
+          3, [](int) { return params_of(base_env()); }, std::chrono::milliseconds(2000));
+      job.runtimes[2]->fail_backend(failure);
+      const auto start = std::chrono::steady_clock::now();
+      Loop loop(3, 4, {6000, 7000});
+      loop.run(job, seed);
+      BOOST_TEST((std::chrono::steady_clock::now() - start < std::chrono::seconds(2)));
+      BOOST_TEST(job.fake.violation() == "");
+      for (int r = 0; r < 3; ++r) {
+        const auto c = *job.shims[r]->counters(job.fake.comm(r));
+        BOOST_TEST(c.calls == 8u);
+        BOOST_TEST(c.compressed == 0u);
+        BOOST_TEST(c.passed_through == c.calls);
+        BOOST_TEST(c.errors == 0u);
+        BOOST_TEST(job.fake.counts(r).all_gather == 1u);  // each took part in the one exchange
+        bool named = false;
+        for (const auto& [reason, n] : c.pass_reasons) named |= contains(reason, "rank(s) 2 cannot compress");
+        BOOST_TEST(named);
+      }
+      BOOST_TEST(job.runtimes[2]->exchange_memories_made() == 1);
+      for (int r = 0; r < 2; ++r) BOOST_TEST(job.runtimes[r]->exchange_memories_made() == 0);
+      check_loop(loop, seed, 1e-6);  // passed through: NCCL's exact sums
+    }
+  }
+}
+
+// The same when the backend exists but the exchange's buffers do not fit in
+// LGRECO_MAX_MEMORY (a setting every rank shares, so every rank finds it).
+BOOST_AUTO_TEST_CASE(no_memory_for_the_exchange_makes_every_rank_pass_through_together) {
+  const uint64_t seed = test::run_seed();
+  Job job(
+      3,
+      [](int) {
+        auto env = base_env();
+        env.push_back({"LGRECO_MAX_MEMORY", "16"});
+        return params_of(env);
+      },
+      std::chrono::milliseconds(2000));
+  Loop loop(3, 3, {6000});
+  loop.run(job, seed);
+  BOOST_TEST(job.fake.violation() == "");
+  for (int r = 0; r < 3; ++r) {
+    const auto c = *job.shims[r]->counters(job.fake.comm(r));
+    BOOST_TEST(c.compressed == 0u);
+    BOOST_TEST(c.passed_through == c.calls);
+  }
+  for (int r = 0; r < 3; ++r) BOOST_TEST(job.runtimes[r]->exchange_memories_made() == 1);
+  check_loop(loop, seed, 1e-6);
+}
+
+// A rank with no usable device at all cannot even join the configuration exchange. Its
 // peers must not hang or compute with wrong data: their exchange fails within the
 // timeout and the call returns an error that says why.
 BOOST_AUTO_TEST_CASE(a_rank_without_a_usable_device_makes_its_peers_fail_clearly_not_hang) {
   Job job(3, [](int) { return params_of(base_env()); }, std::chrono::milliseconds(1000));
-  job.runtimes[2]->set_unusable(true);
+  job.runtimes[2]->set_no_device(true);
   std::vector<Result> results(3);
   job.run([&](int r) {
     std::vector<float> a(65536, 1.0f);
