@@ -36,9 +36,21 @@ std::unique_ptr<collective::Backend::Buffer> HostBackend::allocate_host(uint64_t
   return counted(bytes, false);
 }
 
-bool HostRuntime::capturing(nccl::Stream stream, std::string*) {
+bool HostRuntime::capturing(nccl::Stream stream, std::string* error) {
   std::lock_guard<std::mutex> lock(mutex_);
+  if (capture_query_fails_.count(stream)) {
+    if (error) *error = "cudaStreamIsCapturing failed: cudaErrorStreamCaptureImplicit (the host runtime was told to)";
+    return true;
+  }
   return capturing_.count(stream) > 0;
+}
+
+void HostRuntime::set_capture_query_fails(nccl::Stream stream, bool fails) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (fails)
+    capture_query_fails_.insert(stream);
+  else
+    capture_query_fails_.erase(stream);
 }
 
 std::unique_ptr<StreamBackend> HostRuntime::create_backend(int, uint64_t memory_cap) {

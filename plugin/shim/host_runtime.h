@@ -124,12 +124,16 @@ class HostBackend final : public StreamBackend {
 class HostRuntime final : public DeviceRuntime {
  public:
   std::string name() const override { return "host"; }
-  // No graphs on the host; tests name the streams that count as being captured.
+  // No graphs on the host; tests name the streams that count as being captured, and
+  // those whose query fails.
   bool capturing(nccl::Stream stream, std::string* error) override;
   std::unique_ptr<StreamBackend> create_backend(int device, uint64_t memory_cap) override;
   std::unique_ptr<ExchangeMemory> exchange_memory(int device) override;
 
   void set_capturing(nccl::Stream stream, bool capturing);
+  // capturing(stream) fails, as cudaStreamIsCapturing does on the legacy stream while
+  // another thread captures in global mode.
+  void set_capture_query_fails(nccl::Stream stream, bool fails);
   // Failures to inject. fail_backend: create_backend() throws std::runtime_error(why), as
   // CudaBackend::create does when a stream, an event or the device's memory cannot be had
   // ("" clears it). set_no_device: exchange_memory() throws too, as without any device.
@@ -143,7 +147,7 @@ class HostRuntime final : public DeviceRuntime {
  private:
   std::shared_ptr<AllocationStreams> allocation_log_ = std::make_shared<AllocationStreams>();
   mutable std::mutex mutex_;
-  std::set<nccl::Stream> capturing_;
+  std::set<nccl::Stream> capturing_, capture_query_fails_;
   std::string backend_failure_;
   bool no_device_ = false;
   int exchange_memories_ = 0;

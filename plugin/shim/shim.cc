@@ -42,10 +42,7 @@ static_assert(sizeof(AgreementRecord) == 16);
 // Reasons a call passes through (static text; counted per communicator).
 constexpr const char kInGroup[] = "inside a group with other operations";
 constexpr const char kCapturing[] = "its stream is being captured into a CUDA graph";
-constexpr const char kCaptureUnknown[] = "its stream's capture state cannot be queried";
 constexpr const char kOneRank[] = "a communicator of one rank: nothing to exchange";
-constexpr const char kInProgress[] = "the communicator has a non-blocking operation in progress";
-constexpr const char kCommError[] = "the communicator reports an error";
 constexpr const char kOp[] = "a reduction other than sum or avg";
 constexpr const char kType[] = "an element type other than float32, float16 or bfloat16";
 constexpr const char kSmall[] = "smaller than LGRECO_MIN_BYTES";
@@ -464,17 +461,29 @@ nccl::Result Shim::dispatch_on(CommState& s, const Call& call) {
   if (s.agreement == Agreement::kPassThrough) return pass(&s, call, s.pass_reason.c_str());
   if (s.size <= 1) return pass(&s, call, kOneRank);
 
+  // What follows is known to this rank alone, so it may not pass the call through: its
+  // peers would run lgreco's exchange against its NCCL allreduce (shim.h, "Agreement").
+  // Capture is the application's doing, alike on every rank; a capture query that fails
+  // (the legacy stream while another thread captures in global mode) fails NCCL's own
+  // enqueue too, so the call fails here, with the reason.
   std::string capture_error;
   if (runtime_->capturing(call.stream, &capture_error)) {
     if (capture_error.empty()) return pass(&s, call, kCapturing);
-    LGRECO_WARN_ONCE("SHIM", "capture query", "cannot tell whether a stream is being captured (%s); such calls "
-                     "pass through", capture_error.c_str());
-    return pass(&s, call, kCaptureUnknown);
+    return fail(s, "cannot tell whether the call's stream is being captured into a CUDA graph (" + capture_error +
+                       "), which lgreco must know before it enqueues anything");
   }
+  // A communicator in error fails the call as NCCL's allreduce would, with NCCL's code and
+  // nothing enqueued. One with a non-blocking operation in progress (the group a lone
+  // allreduce closed, a split) goes on: the fabric settles it, bounded by LGRECO_TIMEOUT,
+  // before its first operation (NcclFabric::settle).
   nccl::Result async = nccl::kSuccess;
-  if (api_.comm_get_async_error(call.comm, &async) != nccl::kSuccess) async = nccl::kInternalError;
-  if (async == nccl::kInProgress) return pass(&s, call, kInProgress);
-  if (async != nccl::kSuccess) return pass(&s, call, kCommError);
+  const nccl::Result queried = api_.comm_get_async_error(call.comm, &async);
+  if (queried != nccl::kSuccess) async = queried;
+  if (async != nccl::kSuccess && async != nccl::kInProgress) {
+    record_error(&s, std::string("lgreco: the communicator reports an error (") + api_.error_string(async) +
+                         "): the allreduce was not started");
+    return async;
+  }
 
   if (s.agreement == Agreement::kPending) {
     agree(s, call);

@@ -14,8 +14,12 @@
 //     outermost ncclGroupEnd. Inside a group NCCL only queues work, so a kernel the shim
 //     launched there would run before NCCL's own;
 //   - its stream is not being captured into a CUDA graph (the compressed path compares
-//     configurations and reads statistics back on the host, which capture forbids);
-//   - its communicator has no non-blocking operation in progress and no error;
+//     configurations and reads statistics back on the host, which capture forbids; a
+//     capture query that fails fails the call);
+//   - its communicator reports no error (a communicator in error fails the call with
+//     NCCL's code, enqueuing nothing; one with a non-blocking operation in progress is
+//     settled first, bounded by LGRECO_TIMEOUT: what one rank alone sees never makes it
+//     pass through while its peers compress);
 //   - the communicator's ranks agreed on their configuration (below), and the bucket
 //     matcher (config/bucket_matcher.h) recognises the call as a registered bucket (or,
 //     without a registration, an auto-mode gradient buffer); the engine

@@ -421,7 +421,7 @@ BOOST_AUTO_TEST_CASE(every_allocation_inside_a_call_is_on_that_calls_stream) {
   BOOST_TEST(job.fake.violation() == "");
 }
 
-BOOST_AUTO_TEST_CASE(graph_capture_and_in_progress_communicators_pass_through) {
+BOOST_AUTO_TEST_CASE(graph_capture_passes_through_on_every_rank) {
   Job job(2);
   for (auto* rt : job.runtimes) rt->set_capturing(stream_of(0), true), rt->set_capturing(stream_of(1), true);
   job.run([&](int r) {
@@ -430,20 +430,80 @@ BOOST_AUTO_TEST_CASE(graph_capture_and_in_progress_communicators_pass_through) {
                                         stream_of(r)) == nccl::kSuccess);
     EXPECT(a[0] == 2.0f);
   });
-  job.fake.set_async(0, nccl::kInProgress, 1);
-  job.fake.set_async(1, nccl::kInProgress, 1);
-  for (auto* rt : job.runtimes) rt->set_capturing(stream_of(0), false), rt->set_capturing(stream_of(1), false);
-  job.run([&](int r) {
-    std::vector<float> a(4096, 1.0f);
-    job.shims[r]->all_reduce(a.data(), a.data(), a.size(), nccl::kFloat32, nccl::kSum, job.fake.comm(r),
-                             stream_of(r));
-    EXPECT(a[0] == 2.0f);
-  });
   for (int r = 0; r < 2; ++r) {
     const auto c = *job.shims[r]->counters(job.fake.comm(r));
     BOOST_TEST(c.pass_reasons.at("its stream is being captured into a CUDA graph") == 1u);
-    BOOST_TEST(c.pass_reasons.at("the communicator has a non-blocking operation in progress") == 1u);
     BOOST_TEST(job.fake.counts(r).all_gather == 0u);  // no agreement ran during capture
+  }
+}
+
+// What one rank alone sees after (or before) the agreement never makes it pass through
+// while its peers compress (issue 21, finding 2): a non-blocking operation in progress on
+// one rank is settled and the call compressed like its peers'; a communicator error fails
+// the call with NCCL's code; a capture query that fails fails it too. Nothing pairs an
+// NCCL allreduce with a peer's exchange (the fake NCCL's violation check).
+BOOST_AUTO_TEST_CASE(what_one_rank_alone_sees_never_makes_it_pass_through_alone) {
+  const uint64_t seed = test::run_seed();
+  for (const bool agreed_first : {false, true}) {
+    BOOST_TEST_CONTEXT("agreed first: " << agreed_first) {
+      Job job(
+          3, [](int) { return params_of(base_env()); }, std::chrono::milliseconds(1500));
+      if (agreed_first) {
+        Loop warm(3, 2, {6000});
+        warm.run(job, seed);
+      }
+      job.fake.set_async(1, nccl::kInProgress, 4);
+      Loop loop(3, 45, {6000});
+      loop.run(job, seed + 1);
+      BOOST_TEST(job.fake.violation() == "");
+      check_loop(loop, seed + 1, 0.02);
+      const auto c1 = *job.shims[1]->counters(job.fake.comm(1));
+      BOOST_TEST(c1.compressed > 0u, pass_reasons_text(c1));
+      BOOST_TEST(c1.pass_reasons.count("the communicator has a non-blocking operation in progress") == 0u);
+      for (int r = 0; r < 3; ++r) {
+        const auto c = *job.shims[r]->counters(job.fake.comm(r));
+        BOOST_TEST(c.compressed == c1.compressed);  // every rank took the same path each call
+        BOOST_TEST(job.fake.counts(r).all_reduce == c.passed_through);
+      }
+    }
+  }
+  // A communicator error on rank 2: its call returns NCCL's code and queues nothing; its
+  // peers' exchange then fails within the timeout (NCCL: the watchdog), as it would with
+  // NCCL's own allreduce on a failed peer.
+  {
+    Job job(
+        3, [](int) { return params_of(base_env()); }, std::chrono::milliseconds(1000));
+    job.fake.set_async(2, nccl::kRemoteError, 1);
+    std::vector<Result> results(3);
+    job.run([&](int r) {
+      std::vector<float> a(65536, 1.0f);
+      results[r] = job.shims[r]->all_reduce(a.data(), a.data(), a.size(), nccl::kFloat32, nccl::kSum, job.fake.comm(r),
+                                            stream_of(r));
+    });
+    BOOST_TEST(results[2] == nccl::kRemoteError);
+    BOOST_TEST(job.fake.counts(2).all_reduce == 0u);
+    BOOST_TEST(job.fake.counts(2).all_gather == 0u);
+    BOOST_TEST(contains(job.shims[2]->last_error(job.fake.comm(2)), "the communicator reports an error"));
+    for (int r = 0; r < 2; ++r) BOOST_TEST(results[r] == nccl::kInternalError);
+    for (int r = 0; r < 3; ++r) BOOST_TEST(job.fake.counts(r).all_reduce == 0u);  // no NCCL allreduce anywhere
+  }
+  // A capture query that fails on rank 0 only.
+  {
+    Job job(
+        2, [](int) { return params_of(base_env()); }, std::chrono::milliseconds(1000));
+    job.runtimes[0]->set_capture_query_fails(stream_of(0), true);
+    std::vector<Result> results(2);
+    job.run([&](int r) {
+      std::vector<float> a(65536, 1.0f);
+      results[r] = job.shims[r]->all_reduce(a.data(), a.data(), a.size(), nccl::kFloat32, nccl::kSum, job.fake.comm(r),
+                                            stream_of(r));
+    });
+    BOOST_TEST(results[0] == nccl::kInternalError);
+    BOOST_TEST(job.fake.counts(0).all_reduce == 0u);
+    BOOST_TEST(contains(job.shims[0]->last_error(job.fake.comm(0)), "cannot tell whether the call's stream"));
+    BOOST_TEST(job.fake.counts(0).all_gather == 0u);
+    BOOST_TEST(results[1] == nccl::kInternalError);  // its exchange timed out
+    BOOST_TEST(job.fake.counts(1).all_reduce == 0u);
   }
 }
 
