@@ -3,6 +3,9 @@
 # Variables (override on the command line, e.g. `make CUDA_HOME=/opt/cuda`):
 #   CUDA_HOME  CUDA toolkit; CUDA sources are built when $(CUDA_HOME)/bin/nvcc exists
 #   NCCL_HOME  where include/nccl.h is (default: CUDA_HOME)
+#   CUDA_LIB_DIR, NCCL_LIB_DIR  where libcudart_static.a and libnccl.so are (default: found
+#              under the toolkit's lib64, lib, targets/<arch>-linux/lib or Debian's
+#              lib/<multiarch>; `make cuda-info` says which)
 #   PYTHON     interpreter for Python tools and tests (Debian's python3-* packages live
 #              under /usr/bin/python3; on the GPU machine use the python3 that has torch)
 #   PREFIX     install prefix for `make install`
@@ -18,6 +21,14 @@ BUILD     := build
 NVCC      := $(CUDA_HOME)/bin/nvcc
 HAVE_CUDA := $(shell test -x $(NVCC) && echo 1)
 HAVE_NCCL_H := $(shell test -f $(NCCL_HOME)/include/nccl.h && echo 1)
+# Toolkits keep their libraries in different folders: lib64 (NVIDIA's runfile and
+# packages), lib, targets/<arch>-linux/lib (conda, some containers), lib/<multiarch>
+# (Debian's nvidia-cuda-toolkit, CUDA_HOME=/usr). The first that holds the file wins.
+MULTIARCH := $(shell $(CXX) -print-multiarch 2>/dev/null)
+lib_dirs   = $(1)/lib64 $(1)/lib $(1)/targets/$(shell uname -m)-linux/lib $(if $(MULTIARCH),$(1)/lib/$(MULTIARCH))
+find_lib   = $(patsubst %/,%,$(dir $(firstword $(wildcard $(addsuffix /$(2),$(call lib_dirs,$(1)))))))
+CUDA_LIB_DIR ?= $(call find_lib,$(CUDA_HOME),libcudart_static.a)
+NCCL_LIB_DIR ?= $(call find_lib,$(NCCL_HOME),libnccl.so*)
 GIT_REV   := $(shell git rev-parse --short HEAD 2>/dev/null || echo unknown)
 
 # Baseline x86-64 (no -march): the library must load on any x86-64 node of a cluster.
@@ -52,7 +63,10 @@ ifeq ($(HAVE_CUDA),1)
 CU_SRCS   := $(wildcard kernels/*.cu) $(wildcard plugin/shim/*.cu)
 # A *_none.cc stands in for a .cu file in builds without CUDA only.
 CORE_SRCS := $(filter-out plugin/shim/%_none.cc,$(CORE_SRCS))
-CUDA_LIBS := $(CUDA_HOME)/lib64/libcudart_static.a -ldl -lrt
+ifeq ($(CUDA_LIB_DIR),)
+$(error lgreco: $(NVCC) exists but libcudart_static.a is in none of $(call lib_dirs,$(CUDA_HOME)); set CUDA_LIB_DIR to its folder)
+endif
+CUDA_LIBS := $(CUDA_LIB_DIR)/libcudart_static.a -ldl -lrt
 else
 CORE_SRCS += $(wildcard kernels/*_none.cc)
 CU_SRCS   :=
@@ -75,7 +89,20 @@ CORE_LIB  := $(BUILD)/lib/liblgreco_core.a
 TOOL_BINS := $(addprefix $(BUILD)/bin/,$(TOOLS))
 TEST_BIN  := $(BUILD)/bin/lgreco-unit-tests
 
-.PHONY: all deps test test-tsan test-python accuracy fuzz bench netbench demo install clean help FORCE
+.PHONY: all deps test test-tsan test-python accuracy fuzz bench netbench demo install clean help cuda-info FORCE
+
+# What this build uses, on the first line of every build (a GPU machine's log then says
+# which toolkit folders were found) and from `make cuda-info`.
+BUILD_INFO = lgreco build: $(if $(HAVE_CUDA),CUDA $(NVCC) with libcudart_static.a from $(CUDA_LIB_DIR),no CUDA \
+  ($(NVCC) not found): CPU-only build); NCCL headers $(if $(HAVE_NCCL_H),$(NCCL_HOME)/include,not found); \
+  libnccl.so $(if $(NCCL_LIB_DIR),in $(NCCL_LIB_DIR),not found under $(NCCL_HOME))
+ifeq ($(MAKELEVEL),0)
+ifeq ($(filter help clean cuda-info deps,$(MAKECMDGOALS)),)
+$(info $(BUILD_INFO))
+endif
+endif
+cuda-info:
+	@echo "$(BUILD_INFO)"
 all: $(LIB) $(PLUGIN) $(TOOL_BINS)
 
 help:
@@ -90,6 +117,7 @@ help:
 	@echo "make netbench   lgreco-bench, 4 ranks over rate-limited links in network namespaces (root)"
 	@echo "make demo       deps + build + compressed allreduce with L-GreCo on ResNet-50's buckets, 4 ranks"
 	@echo "make install    PREFIX=$(PREFIX): library, plugin name, tools, docs"
+	@echo "make cuda-info  the CUDA and NCCL folders this build uses"
 	@echo "CUDA: $(if $(HAVE_CUDA),$(NVCC),not found (CPU-only build))"
 
 deps:
@@ -206,7 +234,7 @@ endif
 # PowerSGD's CUDA module (kernels/lowrank_cuda.h) against the CPU reference, and the time
 # of one step (tests/gpu/lowrank_cuda_check.cc; the last step of tests/gpu/run.sh
 # families). cuBLAS is not linked: the module dlopens libcublas.so.<major> (the loader's
-# path, then this toolkit's lib64), so liblgreco.so loads where cuBLAS is missing and
+# path, then this toolkit's CUDA_LIB_DIR), so liblgreco.so loads where cuBLAS is missing and
 # shares a framework's.
 ifeq ($(HAVE_CUDA),1)
 GPU_CHECK_BIN += $(BUILD)/bin/lgreco-gpu-lowrank-check
@@ -214,7 +242,7 @@ $(call obj,tests/gpu/lowrank_cuda_check.cc): CPPFLAGS += -isystem $(CUDA_HOME)/i
 $(BUILD)/bin/lgreco-gpu-lowrank-check: $(call obj,tests/gpu/lowrank_cuda_check.cc) $(CORE_LIB)
 	@mkdir -p $(@D)
 	$(CXX) -o $@ $< $(CORE_LIB) $(CUDA_LIBS) -ldl -pthread
-$(call obj,kernels/lowrank_cuda.cu): NVCCFLAGS += -DLGRECO_CUDA_LIB_DIR='"$(CUDA_HOME)/lib64"'
+$(call obj,kernels/lowrank_cuda.cu): NVCCFLAGS += -DLGRECO_CUDA_LIB_DIR='"$(CUDA_LIB_DIR)"'
 endif
 
 # A stand-in libnccl and a program linked against it (tests/interpose/): a framework's
@@ -286,7 +314,7 @@ test: deps
 	@$(MAKE) --no-print-directory all $(TEST_BIN) $(GPU_CHECK_BIN) $(INTERPOSE_BIN) $(CALLER_LIBS) $(PLUGIN_PROBE) $(NET_HARNESS_BIN)
 	@rm -f $(UNIT_LOG).rc
 	{ LGRECO_TEST_BIN_DIR=$(CURDIR)/$(BUILD)/bin LGRECO_TEST_LIB=$(CURDIR)/$(LIB) LGRECO_TEST_PYTHON=$(PYTHON) \
-	LGRECO_TEST_NCCL_LIB=$(NCCL_HOME)/lib64/libnccl.so LGRECO_TEST_SOURCE_DIR=$(CURDIR) \
+	LGRECO_TEST_NCCL_LIB=$(NCCL_LIB_DIR)/libnccl.so LGRECO_TEST_SOURCE_DIR=$(CURDIR) \
 	LGRECO_TEST_INTERPOSE_PROBE=$(CURDIR)/$(INTERPOSE_BIN) LGRECO_TEST_NET_HARNESS=$(CURDIR)/$(NET_HARNESS_BIN) \
 	LGRECO_TEST_CALLER_LIB=$(CURDIR)/$(CALLER_LIB) LGRECO_TEST_PLUGIN_PROBE=$(CURDIR)/$(PLUGIN_PROBE) \
 	  $(TEST_BIN) --report_level=short --log_level=warning 2>&1 || echo $$? > $(UNIT_LOG).rc; } | tee $(UNIT_LOG)

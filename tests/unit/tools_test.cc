@@ -4,6 +4,7 @@
 #include <boost/test/unit_test.hpp>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <sstream>
@@ -319,6 +320,43 @@ BOOST_AUTO_TEST_CASE(solve_rejects_malformed_problems_naming_the_field) {
   const auto help = test::run_command(solve_tool() + " --help");
   BOOST_TEST(help.exit_code == 0);
   BOOST_TEST(contains(help.output, "PROBLEM.json"));
+}
+
+// The Makefile finds the CUDA runtime and NCCL under whichever folder a toolkit uses
+// (issue 21, finding 7): fake toolkits with an nvcc stub and an empty libcudart_static.a
+// in each layout; `make cuda-info` names the folder, and none gives an error naming
+// CUDA_LIB_DIR.
+BOOST_AUTO_TEST_CASE(the_makefile_finds_the_cuda_runtime_in_every_toolkit_layout) {
+  namespace fs = std::filesystem;
+  const std::string source = test::env_or("LGRECO_TEST_SOURCE_DIR", ".");
+  const std::string multiarch = test::run_command("g++ -print-multiarch").output;
+  std::vector<std::string> layouts = {"lib64", "lib", "targets/x86_64-linux/lib"};
+  if (!multiarch.empty()) layouts.push_back("lib/" + multiarch.substr(0, multiarch.find('\n')));
+  for (const std::string& layout : layouts) {
+    BOOST_TEST_CONTEXT(layout) {
+      test::TempDir dir;
+      const std::string home = dir.file("cuda");
+      fs::create_directories(home + "/bin");
+      fs::create_directories(home + "/" + layout);
+      test::write_bytes(home + "/bin/nvcc", "#!/bin/sh\n", 10);
+      fs::permissions(home + "/bin/nvcc", fs::perms::owner_all);
+      test::write_bytes(home + "/" + layout + "/libcudart_static.a", "", 0);
+      test::write_bytes(home + "/" + layout + "/libnccl.so.2", "", 0);
+      const auto r = test::run_command("make -s -C " + source + " cuda-info CUDA_HOME=" + home);
+      BOOST_TEST(r.exit_code == 0, r.output);
+      BOOST_TEST(contains(r.output, "libcudart_static.a from " + home + "/" + layout + ";"), r.output);
+      BOOST_TEST(contains(r.output, "libnccl.so in " + home + "/" + layout), r.output);
+    }
+  }
+  test::TempDir dir;
+  const std::string home = dir.file("cuda");
+  fs::create_directories(home + "/bin");
+  test::write_bytes(home + "/bin/nvcc", "#!/bin/sh\n", 10);
+  fs::permissions(home + "/bin/nvcc", fs::perms::owner_all);
+  const auto r = test::run_command("make -s -C " + source + " cuda-info CUDA_HOME=" + home);
+  BOOST_TEST(r.exit_code != 0);
+  BOOST_TEST(contains(r.output, "libcudart_static.a is in none of " + home + "/lib64"), r.output);
+  BOOST_TEST(contains(r.output, "set CUDA_LIB_DIR"), r.output);
 }
 
 BOOST_AUTO_TEST_SUITE_END()
