@@ -43,7 +43,8 @@ endif
 CXXFLAGS  := -std=c++20 -O2 -g -fPIC -fvisibility=hidden -fvisibility-inlines-hidden \
              -ffp-contract=off -fno-math-errno -pthread -Wall -Wextra -Wshadow
 KERNEL_CXXFLAGS := -O3
-NVCCFLAGS := -std=c++20 -O3 -g -I. --fmad=false -ccbin $(CXX) \
+# --threads 2: the two architectures' cicc and ptxas run side by side within one nvcc.
+NVCCFLAGS := -std=c++20 -O3 -g -I. --fmad=false -ccbin $(CXX) --threads 2 \
              -Xcompiler -fPIC,-fvisibility=hidden,-ffp-contract=off \
              -gencode arch=compute_80,code=sm_80 \
              -gencode arch=compute_90,code=sm_90 \
@@ -194,6 +195,11 @@ $(TEST_BIN): $(TEST_OBJS) $(CORE_LIB)
 	$(CXX) -o $@ $(TEST_OBJS) $(CORE_LIB) $(CUDA_LIBS) -lboost_unit_test_framework -ldl -pthread
 
 $(TEST_OBJS): CPPFLAGS += -DBOOST_TEST_DYN_LINK
+# Tests, checks and harnesses compile at -O1 with line tables only (-g1: backtraces keep
+# file:line): half the CPU time of -O2 -g, and what they run hot is the library's code,
+# built at -O2. docs/PERF.md ("Build time") has the figures.
+TEST_CXXFLAGS := -O1 -g1
+$(TEST_OBJS) $(call obj,$(wildcard tests/gpu/*.cc) tests/net/net_harness.cc): CXXFLAGS += $(TEST_CXXFLAGS)
 
 # The CUDA kernels against the CPU reference, and their throughput, on a GPU
 # (tests/gpu/quant_cuda_check.cc; run by tests/gpu/run.sh codec; the TopK kernels' below),
@@ -296,7 +302,7 @@ TSAN_OBJS := $(patsubst %,$(BUILD)/tsan/%.o,$(TSAN_SRCS))
 TSAN_BIN  := $(BUILD)/bin/lgreco-tsan-tests
 $(BUILD)/tsan/%.cc.o: %.cc
 	@mkdir -p $(@D)
-	$(CXX) $(CPPFLAGS) -DBOOST_TEST_DYN_LINK -DLGRECO_NO_MULTIVERSION $(CXXFLAGS) -O1 -fsanitize=thread -c $< -o $@
+	$(CXX) $(CPPFLAGS) -DBOOST_TEST_DYN_LINK -DLGRECO_NO_MULTIVERSION $(CXXFLAGS) $(TEST_CXXFLAGS) -fsanitize=thread -c $< -o $@
 $(TSAN_BIN): $(TSAN_OBJS)
 	@mkdir -p $(@D)
 	$(CXX) -fsanitize=thread -o $@ $(TSAN_OBJS) -lboost_unit_test_framework -pthread
@@ -329,6 +335,7 @@ test: deps
 # package's tests install it (pip install ., offline) into a fresh virtual environment of
 # $(PYTHON) and run its commands; the install reuses this build.
 # `lgreco plot` is tested on the decision log lgreco-demo writes (matplotlib).
+# tests/gpu/first_stub_test.sh checks the GPU script's product check against stubs.
 # The comm hook's tests and the quick real-training run (tests/accuracy/char_lm.py, 4
 # ranks of DDP on gloo, a 0.1M-parameter character transformer on the license texts)
 # train through the library in build/lib.
@@ -337,6 +344,7 @@ test-python: $(LIB) $(BUILD)/bin/lgreco-config $(BUILD)/bin/lgreco-demo $(INTERP
 	$(PYTHON) tests/python/plot_test.py
 	LGRECO_TEST_INTERPOSE_PROBE=$(CURDIR)/$(INTERPOSE_BIN) $(PYTHON) tests/python/package_test.py
 	$(PYTHON) tests/python/comm_hook_test.py
+	bash tests/gpu/first_stub_test.sh
 	@mkdir -p $(BUILD)/accuracy
 	$(PYTHON) tests/accuracy/char_lm.py --size quick --check --plot $(BUILD)/accuracy/quick.png
 
