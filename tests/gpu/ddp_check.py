@@ -3,6 +3,7 @@
 
 usage: ddp_check.py --lib build/lib/liblgreco.so --out DIR [--ranks 2,4] [--seconds 300]
                     [--steps 300] [--python PY] [--device cuda:0] [--table FILE]
+                    [--runs plain,uniform,adaptive,families]
 
 Run by tests/gpu/run.sh shim on the GPU machine. Steps:
 
@@ -175,7 +176,13 @@ def main():
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--config-tool", default=os.path.join(ROOT, "build", "bin", "lgreco-config"))
     ap.add_argument("--table", default=None)
+    ap.add_argument("--runs", default="plain,uniform,adaptive,families",
+                    help="which runs, of plain,uniform,adaptive,families (plain is the reference: always first)")
     args = ap.parse_args()
+    wanted = [r for r in args.runs.split(",") if r]
+    unknown = sorted(set(wanted) - {"plain", "uniform", "adaptive", "families"})
+    if unknown or "plain" not in wanted:
+        ap.error("--runs: %s" % ("unknown run(s) " + ", ".join(unknown) if unknown else "plain must be one of them"))
 
     deadline = Deadline(args.seconds)
     os.makedirs(args.out, exist_ok=True)
@@ -216,6 +223,7 @@ def main():
             ("adaptive", dict(preload, LGRECO_MODE="adaptive", **SCHEDULE)),
             ("families", dict(preload, LGRECO_MODE="adaptive", LGRECO_CODEC="quant:bits=4",
                               LGRECO_CANDIDATES=FAMILIES, **SCHEDULE))]
+    runs = [(run, env) for run, env in runs if run in wanted]
     # Seconds a world size needs for its runs on the H200 (importing torch and setting up
     # NCCL take most of it), and the most one run may take.
     need, cap = {2: 135, 4: 150}, {2: 120, 4: 150}

@@ -7,6 +7,11 @@
 # /tmp/lgreco-gpu) so that they come back with the device tool.
 #
 # Sections:
+#   first      the product check, one command under 8 minutes from a bare machine: build,
+#              quant kernel parity, 4-rank DDP under LD_PRELOAD (uniform and adaptive)
+#              against plain NCCL, lgreco-bench against NCCL at 64 MiB, the same DDP through
+#              NCCL_NET_PLUGIN; PASS/FAIL/SKIP rows (section_first below says what each
+#              judges). Not part of "no section: all of them"; run it first, alone.
 #   register   tools/lgreco-register and its tests on the machine's torch 2.x; the
 #              example models' layouts compared with the committed (torch 1.13) ones;
 #              the layout of DDP on CUDA with NCCL against the CLI's CPU/gloo file
@@ -95,6 +100,9 @@ mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 LGRECO_DEBUG=NONE
 JOBS=$(nproc 2>/dev/null || echo 4)
+# Where the first section finds lgreco-bench and the checks (a folder of stubs in
+# tests/gpu/first_stub_test.sh, which checks the section's logic without a GPU).
+BIN=${LGRECO_GPU_BIN:-build/bin}
 
 rows=()
 appendix=()  # files printed after the table (the bench's)
@@ -196,9 +204,8 @@ prebuilt() {
 # writes $OUT/NAME-<step>.log; a step that cannot go on returns 1 (the section stops).
 #
 # build_step SECTION BIN NAME CAP DEADLINE [MORE TARGETS...]: make BIN (and what it
-# links) for this GPU. nvcc compiles the kernels' three -gencode targets one after the
-# other unless told otherwise; --threads 0 runs them in parallel (the longest step of a
-# cold build).
+# links) for this GPU, with every core (the Makefile's nvcc runs its two architectures
+# side by side, and the quantization kernels are split across five files).
 build_step() {
   local section=$1 bin=$2 name=$3 cap=$4 deadline=$5 cuda rc detail t
   shift 5
@@ -208,8 +215,7 @@ build_step() {
     row "$section" "build ${bin##*/}" FAIL "no nvcc ($cuda/bin/nvcc, PATH): set CUDA_HOME"; failed=1; return 1
   fi
   t=$(step_time "$cap" "$deadline")
-  NVCC_APPEND_FLAGS="${NVCC_APPEND_FLAGS:+$NVCC_APPEND_FLAGS }--threads 0" \
-    timeout "$t" make -j"$JOBS" "$bin" "$@" CUDA_HOME="$cuda" PYTHON="$PY" > "$OUT/$name-build.log" 2>&1
+  timeout "$t" make -j"$JOBS" "$bin" "$@" CUDA_HOME="$cuda" PYTHON="$PY" > "$OUT/$name-build.log" 2>&1
   rc=$?
   if [[ $rc -ne 0 || ! -x "$bin" ]]; then
     detail=$(grep -m 1 -E 'error|No rule' "$OUT/$name-build.log" | cut -c1-100)
@@ -476,6 +482,26 @@ run_ranks() {
   for r in "${pids[@]}"; do wait "$r"; rank_codes+=($?); done
 }
 
+# bench_columns LOG NAME...: the named columns of lgreco-bench's result rows in LOG, one
+# line per row, found by the names of its header line ("#  size  count  type ..."), never
+# by position (the columns change: the tools issue adds nccl-tests' in-place half, whose
+# names repeat; the first, out-of-place one is taken). "-" for a name the header lacks.
+bench_columns() {
+  local log=$1
+  shift
+  awk -v want="$*" '
+    BEGIN { n = split(want, names, " ") }
+    /^#/ && !have {
+      for (i = 2; i <= NF; i++) if (!($i in col)) col[$i] = i - 1
+      if (("size" in col) && ("count" in col)) have = 1; else split("", col)
+      next
+    }
+    /^#/ || !have || NF < 2 { next }
+    { line = ""
+      for (k = 1; k <= n; k++) line = line (k > 1 ? " " : "") ((names[k] in col) ? $(col[names[k]]) : "-")
+      print line }' "$log"
+}
+
 # shim_bench NAME NRANKS SECONDS TITLE LABEL [LGRECO-BENCH ARGS...]: lgreco-bench --fabric
 # nccl on NRANKS ranks (logs $OUT/NAME.rank<R>.log); rank 0's table after the summary under
 # TITLE, and a row LABEL that fails unless every rank exits 0, the bench's own bound check
@@ -484,22 +510,22 @@ run_ranks() {
 shim_bench() {
   local name=$1 n=$2 t=$3 title=$4 label=$5 log table detail r
   shift 5
-  run_ranks "$name" "$n" "$t" build/bin/lgreco-bench --fabric nccl "$@"
+  run_ranks "$name" "$n" "$t" "$BIN/lgreco-bench" --fabric nccl "$@"
   log="$OUT/$name.rank0.log"
   table="$OUT/$name-table.txt"
   { echo "== $title =="; grep -v 'LGRECO' "$log"; } > "$table"
   appendix+=("$table")
-  # Rows: size count type codec time algbw busbw wire_B wire_GB/s rel_err #wrong nccl_us vs_nccl
-  detail=$(awk '!/^#/ && NF == 13 { rows++; if ($11 != "0") bad++; last = $1 " B: " $5 " us, NCCL " $12 " us: " $13 "x, rel_err " $10 }
-                END { printf "%d rows, %d with #wrong > 0; largest %s", rows, bad, last }' "$log")
+  detail=$(bench_columns "$log" size 'time(us)' nccl_us vs_nccl rel_err '#wrong' |
+           awk '{ rows++; if ($6 != "0") bad++; last = $1 " B: " $2 " us, NCCL " $3 " us: " $4 "x, rel_err " $5 }
+                END { printf "%d rows, %d with #wrong > 0; largest %s", rows, bad, last }')
   r=PASS
   if [[ " ${rank_codes[*]} " =~ [^0\ ] ]]; then
     r=FAIL
     detail="exit codes ${rank_codes[*]} (124: timed out): $(grep -h -m 1 'error' "$OUT/$name".rank*.log | head -n 1 | cut -c1-120)"
-  elif ! grep -q '^# Out of bounds values : 0 OK' "$log" || ! awk '!/^#/ && NF == 13 { ok = 1 } END { exit !ok }' "$log"; then
+  elif ! grep -q '^# Out of bounds values : 0 OK' "$log" || [[ -z "$(bench_columns "$log" size)" ]]; then
     r=FAIL
   fi
-  row shim "$label" "$r" "$detail ($name.rank*.log)"
+  row "${bench_section:-shim}" "$label" "$r" "$detail ($name.rank*.log)"
   fail_if "$r"
 }
 
@@ -512,7 +538,6 @@ section_shim() {
   fi
   t=$(shim_time 240)
   prebuilt build/lib/liblgreco.so build/bin/lgreco-bench build/bin/lgreco-config ||
-  NVCC_APPEND_FLAGS="${NVCC_APPEND_FLAGS:+$NVCC_APPEND_FLAGS }--threads 0" \
     timeout "$t" make -j"$JOBS" build/lib/liblgreco.so build/bin/lgreco-bench build/bin/lgreco-config \
     CUDA_HOME="$cuda" PYTHON="$PY" > "$OUT/shim-build.log" 2>&1
   rc=$?
@@ -535,7 +560,7 @@ section_shim() {
       "bench $n ranks: #wrong 0, bit-identical" \
       --nccl-lib "$nccl" --codec quant:bits=4 -d float -b 1M -e 64M -f 4 -n 10 -w 3 --timeout 60
     if [[ $n -eq 4 ]]; then
-      at64=$(awk '!/^#/ && NF == 13 && $1 == 67108864 { print $13 }' "$OUT/shim-bench-$n.rank0.log")
+      at64=$(bench_columns "$OUT/shim-bench-$n.rank0.log" size vs_nccl | awk '$1 == 67108864 { print $2 }')
       if [[ -z "$at64" ]]; then target_row="missed: no 64 MiB row"
       elif awk -v s="$at64" 'BEGIN { exit !(s >= 3.0) }'; then target_row="met: ${at64}x plain NCCL"
       else target_row="missed: ${at64}x plain NCCL"; fi
@@ -616,8 +641,7 @@ section_net() {
     row net "build plugin, lgreco-gpu-net-check" FAIL "no nvcc ($cuda/bin/nvcc, PATH): set CUDA_HOME"; failed=1; return
   fi
   t=$(net_time 240)
-  NVCC_APPEND_FLAGS="${NVCC_APPEND_FLAGS:+$NVCC_APPEND_FLAGS }--threads 0" \
-    timeout "$t" make -j"$JOBS" build/lib/libnccl-net-lgreco.so build/bin/lgreco-gpu-net-check \
+  timeout "$t" make -j"$JOBS" build/lib/libnccl-net-lgreco.so build/bin/lgreco-gpu-net-check \
     CUDA_HOME="$cuda" PYTHON="$PY" > "$OUT/net-build.log" 2>&1
   rc=$?
   if [[ $rc -ne 0 || ! -x build/bin/lgreco-gpu-net-check || ! -e build/lib/libnccl-net-lgreco.so ]]; then
@@ -756,10 +780,136 @@ section_package() {
   appendix+=("$info")
 }
 
+# The product check: one command, under 8 minutes from a bare GPU machine with a cold
+# build (LGRECO_GPU_FIRST_SECONDS, default 460, bounds every step together). A row per
+# check, PASS, FAIL or SKIP (not run: out of time, or an earlier step it needs failed),
+# each with its figure; full logs under $OUT. Steps:
+#   1. build liblgreco.so (+ the net plugin's name), lgreco-bench, lgreco-config and
+#      lgreco-gpu-codec-check with every core (or LGRECO_GPU_PREBUILT); its wall time
+#      against the 90 s target, and the build's first line (which CUDA folders it used)
+#   2. the quantization kernels against the CPU reference (lgreco-gpu-codec-check
+#      --check --quick)
+#   3. unmodified DDP, 4 ranks on the one GPU, under LD_PRELOAD: plain NCCL, uniform 4-bit
+#      and adaptive (tests/gpu/ddp_check.py --runs plain,uniform,adaptive): compressed
+#      calls on every rank, identical parameters on every rank, loss and accuracy within
+#      ddp_check.py's bounds of plain NCCL's
+#   4. lgreco-bench --fabric nccl, quant:bits=4, 4 ranks, 64 MiB float32, against plain
+#      NCCL (columns read by name): #wrong 0, bit-identical outputs; PASS when faster
+#      than NCCL, the 3x target reported in the row
+#   5. the same DDP job (4 ranks) through NCCL_NET_PLUGIN=lgreco without LD_PRELOAD
+#      (tests/gpu/ddp_net_check.py)
+first_deadline=0
+first_time() { step_time "$1" "$first_deadline"; }
+
+# first_results LOG: a row per `RESULT: NAME VERDICT DETAIL` line of a ddp check's log.
+first_results() {
+  local line name verdict detail
+  while IFS= read -r line; do
+    line=${line#RESULT: }
+    name=${line%% *}; line=${line#* }
+    verdict=${line%% *}; detail=${line#* }
+    row first "DDP $name" "$verdict" "$(cut -c1-200 <<< "$detail")"
+    fail_if "$verdict"
+  done < <(grep -E '^RESULT: ' "$1")
+}
+
+section_first() {
+  local cuda rc t detail r start log nccl at64 lib=${LGRECO_GPU_LIB_DIR:-build/lib}
+  local tools=("$lib/liblgreco.so" "$BIN/lgreco-bench" "$BIN/lgreco-config" "$BIN/lgreco-gpu-codec-check")
+  first_deadline=$((SECONDS + ${LGRECO_GPU_FIRST_SECONDS:-460}))
+
+  # 1. Build.
+  if prebuilt "${tools[@]}"; then
+    row first "build" PASS "prebuilt (LGRECO_GPU_PREBUILT)"
+  else
+    cuda=$(cuda_home)
+    if [[ ! -x "$cuda/bin/nvcc" ]]; then
+      row first "build" FAIL "no nvcc ($cuda/bin/nvcc, PATH): set CUDA_HOME"; failed=1; return
+    fi
+    t=$(first_time 200)
+    start=$SECONDS
+    timeout "$t" make -j"$JOBS" build/lib/liblgreco.so build/lib/libnccl-net-lgreco.so build/bin/lgreco-bench \
+      build/bin/lgreco-config build/bin/lgreco-gpu-codec-check CUDA_HOME="$cuda" PYTHON="$PY" > "$OUT/first-build.log" 2>&1
+    rc=$?
+    local f missing=""
+    for f in "${tools[@]}"; do [[ -e "$f" ]] || missing="$missing ${f##*/}"; done
+    if [[ $rc -ne 0 || -n "$missing" ]]; then
+      detail=$(grep -m 1 -E 'error|No rule' "$OUT/first-build.log" | cut -c1-120)
+      detail="exit $rc: ${detail:-$(last_line "$OUT/first-build.log")}${missing:+; missing:$missing}"
+      [[ $rc -eq 124 ]] && detail="timed out after $t s"
+      row first "build" FAIL "$detail (first-build.log)"; failed=1; return
+    fi
+    t=$((SECONDS - start))
+    row first "build" PASS "$t s wall with -j$JOBS (target < 90 s: $( ((t < 90)) && echo met || echo missed))"
+    row first "  toolkit" INFO "$(grep -m 1 '^lgreco build: ' "$OUT/first-build.log" | cut -c15-220)"
+  fi
+  [[ -e "$lib/libnccl-net-lgreco.so" ]] || ln -sf liblgreco.so "$lib/libnccl-net-lgreco.so"
+
+  # 2. The quantization kernels against the CPU reference.
+  check_step first "quant kernels = CPU reference" "$BIN/lgreco-gpu-codec-check" first-codec 60 "$first_deadline" --quick
+
+  # 3. Unmodified DDP under LD_PRELOAD, 4 ranks: plain, uniform, adaptive.
+  t=$(first_time 200)
+  if [[ $t -eq 0 ]]; then
+    row first "DDP 4 ranks under LD_PRELOAD" SKIP "the section ran out of time"
+  else
+    log="$OUT/first-ddp.log"
+    timeout -k 10 "$t" "$PY" tests/gpu/ddp_check.py --python "$PY" --lib "$lib/liblgreco.so" --out "$OUT" \
+      --ranks 4 --runs plain,uniform,adaptive --seconds $((t - 15)) --config-tool "$BIN/lgreco-config" \
+      --table "$OUT/first-ddp-table.txt" > "$log" 2>&1
+    rc=$?
+    first_results "$log"
+    if [[ $rc -ne 0 ]] && ! grep -qE '^RESULT: [^ ]+ FAIL' "$log"; then
+      row first "DDP 4 ranks under LD_PRELOAD" FAIL "ddp_check.py exit $rc: $(last_line "$log") (first-ddp.log)"; failed=1
+    fi
+    [[ -s "$OUT/first-ddp-table.txt" ]] && appendix+=("$OUT/first-ddp-table.txt")
+  fi
+
+  # 4. lgreco-bench against plain NCCL at 64 MiB, 4 ranks.
+  t=$(first_time 90)
+  if [[ $t -eq 0 ]]; then
+    row first "bench 4 ranks 64 MiB" SKIP "the section ran out of time"
+  else
+    nccl=$(torch_nccl)
+    bench_section=first shim_bench first-bench 4 "$t" "lgreco-bench --fabric nccl, 4 ranks on one GPU (rank 0)" \
+      "bench 4 ranks 64 MiB: correct" --nccl-lib "$nccl" --codec quant:bits=4 -d float -b 64M -e 64M -n 10 -w 3 \
+      --timeout $((t - 10))
+    at64=$(bench_columns "$OUT/first-bench.rank0.log" size vs_nccl | awk '$1 == 67108864 { print $2 }')
+    if [[ -z "$at64" || "$at64" == - ]]; then
+      row first "bench 4 ranks 64 MiB: vs NCCL" FAIL "no 64 MiB row with a vs_nccl column (first-bench.rank0.log)"
+      failed=1
+    elif awk -v s="$at64" 'BEGIN { exit !(s >= 1.0) }'; then
+      row first "bench 4 ranks 64 MiB: vs NCCL" PASS \
+        "${at64}x plain NCCL's time (target 3x: $(awk -v s="$at64" 'BEGIN { print (s >= 3.0) ? "met" : "missed" }'))"
+    else
+      row first "bench 4 ranks 64 MiB: vs NCCL" FAIL "${at64}x plain NCCL's time: slower than NCCL (target 3x)"
+      failed=1
+    fi
+  fi
+
+  # 5. The same DDP job through the net plugin, no LD_PRELOAD.
+  t=$(first_time 150)
+  if [[ $t -lt 60 ]]; then
+    row first "DDP 4 ranks, net plugin" SKIP "the section ran out of time"
+  else
+    log="$OUT/first-net-ddp.log"
+    timeout -k 10 "$t" "$PY" tests/gpu/ddp_net_check.py --python "$PY" --plugin "$lib/libnccl-net-lgreco.so" \
+      --out "$OUT" --ranks 4 --seconds $((t - 15)) --table "$OUT/first-net-ddp-table.txt" > "$log" 2>&1
+    rc=$?
+    first_results "$log"
+    if [[ $rc -ne 0 ]] && ! grep -qE '^RESULT: [^ ]+ FAIL' "$log"; then
+      row first "DDP 4 ranks, net plugin" FAIL "ddp_net_check.py exit $rc: $(last_line "$log") (first-net-ddp.log)"
+      failed=1
+    fi
+    [[ -s "$OUT/first-net-ddp-table.txt" ]] && appendix+=("$OUT/first-net-ddp-table.txt")
+  fi
+}
+
 sections=("$@")
 [[ ${#sections[@]} -eq 0 ]] && sections=(register codec families backend shim net package)
 for s in "${sections[@]}"; do
   case "$s" in
+    first) section_first ;;
     register) section_register ;;
     codec) section_codec ;;
     families) section_families ;;
@@ -767,7 +917,7 @@ for s in "${sections[@]}"; do
     shim) section_shim ;;
     net) section_net ;;
     package) section_package ;;
-    *) echo "tests/gpu/run.sh: unknown section '$s' (sections: register codec families backend shim net package)" >&2; exit 2 ;;
+    *) echo "tests/gpu/run.sh: unknown section '$s' (sections: first register codec families backend shim net package)" >&2; exit 2 ;;
   esac
 done
 
