@@ -315,9 +315,12 @@ $(TSAN_BIN): $(TSAN_OBJS)
 # The runner's log is kept in $(UNIT_LOG); a failure repeats its failed checks at the end,
 # after the libraries' WARN lines, so that a log's tail (CI shows only that) names them.
 UNIT_LOG := $(BUILD)/unit-tests.log
-# deps runs first even under -j: the build starts from the recipe, after it.
+# deps runs first even under -j: the build starts from the recipe, after it. The builds
+# use every core (TEST_JOBS) unless make was given -j itself; the suites run one at a time.
+NPROC     := $(shell nproc 2>/dev/null || echo 2)
+TEST_JOBS  = $(if $(filter -j%,$(MAKEFLAGS)),,-j$(NPROC))
 test: deps
-	@$(MAKE) --no-print-directory all $(TEST_BIN) $(GPU_CHECK_BIN) $(INTERPOSE_BIN) $(CALLER_LIBS) $(PLUGIN_PROBE) $(NET_HARNESS_BIN)
+	@$(MAKE) $(TEST_JOBS) --no-print-directory all $(TEST_BIN) $(GPU_CHECK_BIN) $(INTERPOSE_BIN) $(CALLER_LIBS) $(PLUGIN_PROBE) $(NET_HARNESS_BIN)
 	@rm -f $(UNIT_LOG).rc
 	{ LGRECO_TEST_BIN_DIR=$(CURDIR)/$(BUILD)/bin LGRECO_TEST_LIB=$(CURDIR)/$(LIB) LGRECO_TEST_PYTHON=$(PYTHON) \
 	LGRECO_TEST_NCCL_LIB=$(NCCL_LIB_DIR)/libnccl.so LGRECO_TEST_SOURCE_DIR=$(CURDIR) \
@@ -327,6 +330,8 @@ test: deps
 	@if [ -f $(UNIT_LOG).rc ]; then \
 	  echo "== make test: the unit tests failed (exit $$(cat $(UNIT_LOG).rc)); their failed checks (the whole log: $(UNIT_LOG)):"; \
 	  grep -E ': in "[^"]+"' $(UNIT_LOG) | head -40; exit 1; fi
+	@$(MAKE) $(TEST_JOBS) --no-print-directory $(TSAN_BIN) $(LIB) $(BUILD)/bin/lgreco-config $(BUILD)/bin/lgreco-demo \
+	  $(FUZZ_BIN)
 	@$(MAKE) --no-print-directory test-tsan
 	@$(MAKE) --no-print-directory test-python
 	@$(MAKE) --no-print-directory fuzz FUZZ_SECONDS=$(TEST_FUZZ_SECONDS)

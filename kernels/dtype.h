@@ -12,6 +12,9 @@
 #include <string_view>
 
 #include "kernels/hd.h"
+#ifdef __CUDACC__
+#include <cuda_fp16.h>
+#endif
 
 namespace lgreco {
 
@@ -35,6 +38,14 @@ LGRECO_HD float bits_float(uint32_t u) {
 }
 
 LGRECO_HD float half_to_float(uint16_t h) {
+#ifdef __CUDA_ARCH__
+  // The hardware's conversion (exact: every half is a float), with a NaN's payload kept as
+  // below whatever the hardware does with it. The bit-level version costs some twenty
+  // instructions per element and made nvcc's float16 statistics kernels 5x slower to build.
+  if ((h & 0x7fffu) > 0x7c00u)
+    return bits_float((static_cast<uint32_t>(h & 0x8000u) << 16) | 0x7f800000u | ((h & 0x3ffu) << 13));
+  return __half2float(__ushort_as_half(h));
+#else
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   const uint32_t exponent = (h >> 10) & 0x1fu;
   const uint32_t mantissa = h & 0x3ffu;
@@ -43,9 +54,16 @@ LGRECO_HD float half_to_float(uint16_t h) {
   // Zero or subnormal: mantissa * 2^-24 is exact in float32.
   const float magnitude = static_cast<float>(mantissa) * 0x1p-24f;
   return bits_float(sign | float_bits(magnitude));
+#endif
 }
 
 LGRECO_HD uint16_t float_to_half_rn(float f) {
+#ifdef __CUDA_ARCH__
+  // The hardware's round-to-nearest-even (cvt.rn.f16.f32: subnormals, overflow to
+  // infinity), NaN made canonical as below.
+  if ((float_bits(f) & 0x7fffffffu) > 0x7f800000u) return 0x7fffu;
+  return __half_as_ushort(__float2half_rn(f));
+#else
   const uint32_t u = float_bits(f);
   const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
   const uint32_t a = u & 0x7fffffffu;
@@ -65,6 +83,7 @@ LGRECO_HD uint16_t float_to_half_rn(float f) {
   const uint32_t halfway = 1u << (shift - 1u);
   if (remainder > halfway || (remainder == halfway && (result & 1u))) ++result;
   return static_cast<uint16_t>(sign | result);
+#endif
 }
 
 LGRECO_HD float bf16_to_float(uint16_t b) { return bits_float(static_cast<uint32_t>(b) << 16); }

@@ -78,6 +78,7 @@ struct FakeNccl::Rank {
   nccl::Result async_result = nccl::kSuccess;
   int async_queries = 0;
   uint64_t fail_sends_from = 0, sends = 0;
+  uint64_t fail_group_enqueue = 0, group_enqueues = 0;
   uint64_t next_round = 0;
 };
 
@@ -120,6 +121,11 @@ void FakeNccl::set_async(int rank, nccl::Result result, int queries) {
   std::lock_guard<std::mutex> lock(mutex_);
   rank_state_.at(rank)->async_result = result;
   rank_state_.at(rank)->async_queries = queries;
+}
+
+void FakeNccl::fail_group_enqueue(int rank, uint64_t nth) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  rank_state_.at(rank)->fail_group_enqueue = nth;
 }
 
 void FakeNccl::fail_sends_from(int rank, uint64_t nth) {
@@ -239,6 +245,8 @@ nccl::Result FakeNccl::run(Rank& r, const Op& op) {
 
 namespace {
 thread_local int t_depth = 0;
+thread_local nccl::Result t_group_error = nccl::kSuccess;  // NCCL's ncclGroupError
+thread_local nccl::Comm t_group_error_comm = nullptr;      // whose enqueue failed
 }  // namespace
 
 // Queued operations of this thread's open group (opaque to the header).
@@ -267,6 +275,14 @@ nccl::Result FakeNccl::enqueue(nccl::Comm comm, Op op) {
     }
   }
   if (t_depth > 0) {
+    if (op.kind == Op::Kind::kSend || op.kind == Op::Kind::kRecv) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (r.fail_group_enqueue && ++r.group_enqueues == r.fail_group_enqueue) {
+        t_group_error = nccl::kSystemError;
+        t_group_error_comm = comm;
+        return nccl::kSystemError;
+      }
+    }
     FakeCalls::queue().push_back({comm, op});
     return nccl::kSuccess;
   }
@@ -322,6 +338,14 @@ shim::NcclApi FakeNccl::api() {
     FakeNccl& f = fake();
     std::vector<FakeCalls::Queued> queued = std::move(FakeCalls::queue());
     FakeCalls::queue().clear();
+    if (t_group_error != nccl::kSuccess) {
+      // NCCL's groupCleanup: nothing of the group runs; the error is the group's result.
+      const nccl::Result error = t_group_error;
+      t_group_error = nccl::kSuccess;
+      std::lock_guard<std::mutex> lock(f.mutex_);
+      f.rank_of(t_group_error_comm).counts.dropped_groups++;
+      return error;
+    }
     nccl::Result result = nccl::kSuccess;
     std::vector<nccl::Comm> comms;
     for (const auto& q : queued)

@@ -50,11 +50,17 @@ class FakeNccl {
   std::atomic<bool> non_blocking{false};
   // The rank's sends fail (ncclRemoteError) from its n-th send on (counting from 1).
   void fail_sends_from(int rank, uint64_t nth);
+  // The rank's n-th ncclSend/ncclRecv enqueued inside a group (counting from 1) fails to
+  // enqueue (ncclSystemError), as NCCL 2.28.9 does when it cannot record the task: its
+  // ncclGroupErrCheck keeps the error for the thread's group, and ncclGroupEnd then
+  // launches nothing of that group (groupCleanup drops every queued task) and returns it.
+  void fail_group_enqueue(int rank, uint64_t nth);
 
   // What happened.
   struct Counts {
     uint64_t all_reduce = 0, all_gather = 0, send = 0, recv = 0, broadcast = 0;
     uint64_t group_end = 0, destroy = 0, abort = 0, finalize = 0;
+    uint64_t dropped_groups = 0;  // groups a failed enqueue cancelled (fail_group_enqueue)
   };
   Counts counts(int rank) const;
   // Operations the rank issued, in order ("allreduce", "broadcast", "send", ...).

@@ -448,10 +448,15 @@ BOOST_AUTO_TEST_CASE(what_one_rank_alone_sees_never_makes_it_pass_through_alone)
     BOOST_TEST_CONTEXT("agreed first: " << agreed_first) {
       Job job(
           3, [](int) { return params_of(base_env()); }, std::chrono::milliseconds(1500));
-      if (agreed_first) {
-        Loop warm(3, 2, {6000});
-        warm.run(job, seed);
-      }
+      // The agreement first, on buffers that stay alive: a rank's allocator could otherwise
+      // hand a freed buffer's address to the loop below on one rank and not on another,
+      // which the auto-mode matcher would see as different call patterns.
+      std::vector<std::vector<float>> kept(3, std::vector<float>(4096, 1.0f));
+      if (agreed_first)
+        job.run([&](int r) {
+          EXPECT(job.shims[r]->all_reduce(kept[r].data(), kept[r].data(), kept[r].size(), nccl::kFloat32, nccl::kSum,
+                                          job.fake.comm(r), stream_of(r)) == nccl::kSuccess);
+        });
       job.fake.set_async(1, nccl::kInProgress, 4);
       Loop loop(3, 45, {6000});
       loop.run(job, seed + 1);
@@ -582,6 +587,47 @@ BOOST_AUTO_TEST_CASE(a_failed_exchange_returns_an_error_on_every_rank_never_hang
       for (int r = 0; r < 3; ++r)
         if (loop.results[s][b][r] == nccl::kSuccess)
           BOOST_TEST(relative_error(loop.outputs[s][b][r], loop.exact(seed, s, b)) <= 0.02);
+}
+
+// A fabric error in the middle of lgreco's own group (issue 21, finding 4): NCCL 2.28.9
+// keeps an enqueue's error for the thread's group (ncclGroupErrCheck), and its
+// ncclGroupEnd then launches nothing of the group (groupCleanup) and returns the error;
+// the fake NCCL does the same. The rank whose enqueue failed sends nothing of that
+// exchange, its call and its peers' (which wait for its data in vain, within the
+// timeout) return an error, later calls return errors at once, and no call that
+// succeeded holds wrong values.
+BOOST_AUTO_TEST_CASE(a_failed_enqueue_inside_lgrecos_group_launches_nothing_and_fails_every_rank) {
+  const uint64_t seed = test::run_seed();
+  // sra: its exchanges are groups of ncclSend/ncclRecv (all-to-all), where the failure is met.
+  Job job(
+      3,
+      [](int) {
+        auto env = base_env();
+        env.push_back({"LGRECO_ALGORITHM", "sra"});
+        return params_of(env);
+      },
+      std::chrono::milliseconds(1500));
+  job.fake.fail_group_enqueue(1, 40);  // a few compressed calls in (each enqueues about 12)
+  Loop loop(3, 40, {6000});
+  loop.run(job, seed);
+  BOOST_TEST(job.fake.counts(1).dropped_groups == 1u);
+  int first_failure = -1;
+  for (int s = 0; s < loop.steps && first_failure < 0; ++s)
+    if (loop.results[s][0][1] != nccl::kSuccess) first_failure = s;
+  BOOST_TEST_REQUIRE(first_failure >= 0);
+  for (int r = 0; r < 3; ++r) {
+    BOOST_TEST_CONTEXT("rank " << r) {
+      // The failing call fails everywhere, and so does every later one.
+      for (int s = first_failure; s < loop.steps; ++s) BOOST_TEST(loop.results[s][0][r] != nccl::kSuccess);
+      const auto c = *job.shims[r]->counters(job.fake.comm(r));
+      BOOST_TEST(c.compressed > 0u);  // it failed while compressing, not before
+      BOOST_TEST(contains(job.shims[r]->last_error(job.fake.comm(r)), "lgreco"));
+      BOOST_TEST(job.fake.counts(r).all_reduce == c.passed_through);  // none forwarded after it
+    }
+  }
+  BOOST_TEST(contains(job.shims[1]->last_error(job.fake.comm(1)), "failed on rank 1"));
+  for (int s = 0; s < first_failure; ++s)
+    for (int r = 0; r < 3; ++r) BOOST_TEST(relative_error(loop.outputs[s][0][r], loop.exact(seed, s, 0)) <= 0.02);
 }
 
 BOOST_AUTO_TEST_CASE(non_blocking_communicators_settle_before_the_next_operation) {
