@@ -5,6 +5,7 @@
 // small kernel of its own, is here.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <string>
 
 #include "kernels/cuda_launch.h"
@@ -94,9 +95,36 @@ Job single_job(const QuantParams& p, uint64_t count, uint64_t first_element) {
   return job;
 }
 
+__global__ void half_to_float_kernel(const uint16_t* in, float* out, uint64_t count) {
+  for (uint64_t i = blockIdx.x * uint64_t{blockDim.x} + threadIdx.x; i < count; i += uint64_t{gridDim.x} * blockDim.x)
+    out[i] = lgreco::half_to_float(in[i]);
+}
+__global__ void float_to_half_kernel(const float* in, uint16_t* out, uint64_t count) {
+  for (uint64_t i = blockIdx.x * uint64_t{blockDim.x} + threadIdx.x; i < count; i += uint64_t{gridDim.x} * blockDim.x)
+    out[i] = lgreco::float_to_half_rn(in[i]);
+}
+
+dim3 conversion_grid(uint64_t count) {
+  return dim3(static_cast<uint32_t>(std::min<uint64_t>((count + 255) / 256, 65535)));
+}
+
 }  // namespace
 
 bool available() { return true; }
+
+void half_to_float(const uint16_t* device_in, float* device_out, uint64_t count, Stream stream) {
+  if (count == 0) return;
+  require(device_in && device_out, "quant cuda half_to_float", "input and output must not be null");
+  launch_kernel(half_to_float_kernel, conversion_grid(count), 256, stream, "the float16 conversion kernel", device_in,
+                device_out, count);
+}
+
+void float_to_half_rn(const float* device_in, uint16_t* device_out, uint64_t count, Stream stream) {
+  if (count == 0) return;
+  require(device_in && device_out, "quant cuda float_to_half_rn", "input and output must not be null");
+  launch_kernel(float_to_half_kernel, conversion_grid(count), 256, stream, "the float16 conversion kernel", device_in,
+                device_out, count);
+}
 
 void encode(const EncodeBatch& batch, Stream stream) {
   const char* what = "quant cuda encode";

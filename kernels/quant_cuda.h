@@ -144,4 +144,11 @@ void decode(const QuantParams& params, const uint8_t* device_in, uint64_t in_byt
 void decode_accumulate(const QuantParams& params, const uint8_t* device_in, uint64_t in_bytes, uint64_t count,
                        float* device_acc, Stream stream);
 
+// The device's float16 conversions of kernels/dtype.h (the hardware's, with NaN made as
+// the CPU's), element by element, so that tests/gpu/quant_cuda_check.cc can compare them
+// with the host's over every float16 and every float32: device_out[i] =
+// half_to_float(device_in[i]), resp. float_to_half_rn(device_in[i]).
+void half_to_float(const uint16_t* device_in, float* device_out, uint64_t count, Stream stream);
+void float_to_half_rn(const float* device_in, uint16_t* device_out, uint64_t count, Stream stream);
+
 }  // namespace lgreco::quant::cuda

@@ -29,5 +29,7 @@ void decode(const QuantParams&, const uint8_t*, uint64_t, uint64_t, DType, void*
 void decode_accumulate(const QuantParams&, const uint8_t*, uint64_t, uint64_t, float*, Stream) {
   unavailable("quant cuda decode_accumulate");
 }
+void half_to_float(const uint16_t*, float*, uint64_t, Stream) { unavailable("quant cuda half_to_float"); }
+void float_to_half_rn(const float*, uint16_t*, uint64_t, Stream) { unavailable("quant cuda float_to_half_rn"); }
 
 }  // namespace lgreco::quant::cuda

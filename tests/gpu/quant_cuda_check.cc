@@ -8,7 +8,9 @@
 //                      of many jobs (several launches) at odd
 //                      offsets, poisoned gaps that must stay untouched, NaN/Inf/overflow
 //                      buckets, argument errors thrown before any launch, and the same calls
-//                      captured into a CUDA graph. One PASS/FAIL line per check, a SUMMARY
+//                      captured into a CUDA graph; the device's float16 conversions
+//                      against the host's over every float16 and every float32 (--quick:
+//                      2^24 of them). One PASS/FAIL line per check, a SUMMARY
 //                      line and a RESULT line last. --quick: a smaller set, for the
 //                      compute-sanitizer pass.
 //   --bench            throughput of every kernel on 2^28 elements, against a device-to-device
@@ -1920,6 +1922,68 @@ struct Options {
   bool verbose = false;
 };
 
+// The device's float16 conversions (kernels/dtype.h: the hardware's, NaN as the CPU's)
+// against the host's bit-level ones: every float16, and every float32 (--quick: 2^24 of
+// them spread over all 2^32 bit patterns, a different low byte in each stride, plus the
+// boundaries). Bits are compared, NaN payloads included.
+void check_conversions(Report& r, const CudaStream& s, bool quick) {
+  std::vector<uint16_t> halves(65536);
+  for (uint32_t i = 0; i < halves.size(); ++i) halves[i] = static_cast<uint16_t>(i);
+  DeviceBuffer hin(halves.size() * 2), hout(halves.size() * 4);
+  upload(hin, halves, s);
+  LGRECO_CUDA_CHECK(cudaMemsetAsync(hout.get(), 0xA5, hout.size(), s.get()));  // poisoned
+  qc::half_to_float(reinterpret_cast<const uint16_t*>(hin.get()), reinterpret_cast<float*>(hout.get()), halves.size(),
+                    s.get());
+  const std::vector<uint32_t> widened = download<uint32_t>(hout, halves.size(), s);
+  uint64_t bad = 0;
+  std::string first;
+  for (uint32_t i = 0; i < halves.size(); ++i) {
+    uint32_t want;
+    const float f = half_to_float(halves[i]);
+    memcpy(&want, &f, 4);
+    if (widened[i] != want && bad++ == 0) {
+      char text[96];
+      snprintf(text, sizeof text, "first at 0x%04x: device 0x%08x, host 0x%08x", i, widened[i], want);
+      first = text;
+    }
+  }
+  r.check(bad == 0, "conversion", "half_to_float, every float16",
+          bad ? std::to_string(bad) + " differ; " + first : "65,536 values bit-identical");
+
+  constexpr uint64_t kChunk = uint64_t{1} << 24;
+  const uint64_t total = quick ? kChunk : uint64_t{1} << 32;
+  DeviceBuffer fin(kChunk * 4), fout(kChunk * 2);
+  std::vector<uint32_t> bits(kChunk);
+  bad = 0;
+  first.clear();
+  for (uint64_t base = 0; base < total; base += kChunk) {
+    for (uint64_t i = 0; i < kChunk; ++i)
+      bits[i] = quick ? static_cast<uint32_t>((i << 8) | ((i * 37) & 0xffu)) : static_cast<uint32_t>(base + i);
+    if (quick)  // the boundaries: rounding to infinity, to the smallest subnormal, ties
+      for (uint32_t b : {0x477fefffu, 0x477ff000u, 0x33000000u, 0x33000001u, 0x387fc000u, 0x38800000u, 0x7f800000u,
+                         0x7f800001u, 0xffc00000u, 0x80000000u})
+        bits[b & (kChunk - 1)] = b;
+    upload(fin, bits, s);
+    LGRECO_CUDA_CHECK(cudaMemsetAsync(fout.get(), 0xA5, fout.size(), s.get()));
+    qc::float_to_half_rn(reinterpret_cast<const float*>(fin.get()), reinterpret_cast<uint16_t*>(fout.get()), kChunk,
+                         s.get());
+    const std::vector<uint16_t> narrowed = download<uint16_t>(fout, kChunk, s);
+    for (uint64_t i = 0; i < kChunk; ++i) {
+      float f;
+      memcpy(&f, &bits[i], 4);
+      const uint16_t want = float_to_half_rn(f);
+      if (narrowed[i] != want && bad++ == 0) {
+        char text[96];
+        snprintf(text, sizeof text, "first at 0x%08x: device 0x%04x, host 0x%04x", bits[i], narrowed[i], want);
+        first = text;
+      }
+    }
+  }
+  r.check(bad == 0, "conversion",
+          quick ? "float_to_half_rn, 2^24 float32 spread over all bit patterns" : "float_to_half_rn, every float32",
+          bad ? std::to_string(bad) + " differ; " + first : cli::thousands(total) + " values bit-identical");
+}
+
 int run_check(const Options& o, const CudaStream& s) {
   const uint64_t seed = check_seed(o.seed, kProgram, o.quick);
   printf("# statistics tolerance: %.0e relative to the CPU's value, plus float32's resolution (per bucket n x unit x "
@@ -1941,6 +2005,8 @@ int run_check(const Options& o, const CudaStream& s) {
       stage = "statistics case " + c.name;
       check_stats_case(r, c, s);
     }
+    stage = "float16 conversions";
+    check_conversions(r, s, o.quick);
     stage = "statistics of huge values";
     check_stats_huge_values(r, s, rng);
     stage = "argument errors";
