@@ -48,10 +48,11 @@ class ExchangeMemory {
   virtual std::unique_ptr<collective::Event> read_back(void* host_dst, const void* src, uint64_t bytes) = 0;
 };
 
-// A backend's own operations, as ExchangeMemory.
+// A backend's own operations, as ExchangeMemory; the second form owns its backend.
 class BackendExchangeMemory final : public ExchangeMemory {
  public:
   explicit BackendExchangeMemory(StreamBackend& backend) : backend_(backend) {}
+  explicit BackendExchangeMemory(std::unique_ptr<StreamBackend> owned) : owned_(std::move(owned)), backend_(*owned_) {}
   void set_stream(nccl::Stream stream) override { backend_.set_stream(stream); }
   std::unique_ptr<Buffer> allocate(uint64_t bytes) override { return backend_.allocate(bytes); }
   std::unique_ptr<Buffer> allocate_host(uint64_t bytes) override { return backend_.allocate_host(bytes); }
@@ -61,6 +62,7 @@ class BackendExchangeMemory final : public ExchangeMemory {
   }
 
  private:
+  std::unique_ptr<StreamBackend> owned_;
   StreamBackend& backend_;
 };
 

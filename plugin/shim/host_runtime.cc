@@ -62,28 +62,12 @@ std::unique_ptr<StreamBackend> HostRuntime::create_backend(int, uint64_t memory_
   return std::make_unique<HostBackend>(memory_cap, allocation_log_);
 }
 
-namespace {
-// Host memory through a backend of its own (no cap, no allocation log: not a backend's).
-class HostExchangeMemory final : public ExchangeMemory {
- public:
-  void set_stream(nccl::Stream stream) override { backend_.set_stream(stream); }
-  std::unique_ptr<Buffer> allocate(uint64_t bytes) override { return backend_.allocate(bytes); }
-  std::unique_ptr<Buffer> allocate_host(uint64_t bytes) override { return backend_.allocate_host(bytes); }
-  void upload(void* dst, const void* host_src, uint64_t bytes) override { backend_.upload(dst, host_src, bytes); }
-  std::unique_ptr<collective::Event> read_back(void* host_dst, const void* src, uint64_t bytes) override {
-    return backend_.read_back(host_dst, src, bytes);
-  }
-
- private:
-  HostBackend backend_{0};
-};
-}  // namespace
-
 std::unique_ptr<ExchangeMemory> HostRuntime::exchange_memory(int) {
   std::lock_guard<std::mutex> lock(mutex_);
   ++exchange_memories_;
   if (no_device_) throw std::runtime_error("no device (the host runtime was told so: test)");
-  return std::make_unique<HostExchangeMemory>();
+  // Host memory through a backend of its own (no cap, no allocation log: not a backend's).
+  return std::make_unique<BackendExchangeMemory>(std::make_unique<HostBackend>(0));
 }
 
 std::vector<nccl::Stream> HostRuntime::allocation_streams() const {

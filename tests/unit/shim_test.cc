@@ -45,6 +45,13 @@ std::vector<std::pair<std::string, std::string>> base_env() {
           {"LGRECO_SEGMENT_BYTES", "16384"}, {"LGRECO_TIMEOUT", "20"}};
 }
 
+// base_env() with one more setting (a later one wins).
+config::Params base_params_with(std::string name, std::string value) {
+  auto env = base_env();
+  env.push_back({std::move(name), std::move(value)});
+  return params_of(env);
+}
+
 nccl::Stream stream_of(int rank) { return reinterpret_cast<nccl::Stream>(uintptr_t{0x1000} + 16 * rank); }
 
 // Boost.Test's assertions are not thread-safe: rank threads record failed expectations
@@ -600,13 +607,7 @@ BOOST_AUTO_TEST_CASE(a_failed_enqueue_inside_lgrecos_group_launches_nothing_and_
   const uint64_t seed = test::run_seed();
   // sra: its exchanges are groups of ncclSend/ncclRecv (all-to-all), where the failure is met.
   Job job(
-      3,
-      [](int) {
-        auto env = base_env();
-        env.push_back({"LGRECO_ALGORITHM", "sra"});
-        return params_of(env);
-      },
-      std::chrono::milliseconds(1500));
+      3, [](int) { return base_params_with("LGRECO_ALGORITHM", "sra"); }, std::chrono::milliseconds(1500));
   job.fake.fail_group_enqueue(1, 40);  // a few compressed calls in (each enqueues about 12)
   Loop loop(3, 40, {6000});
   loop.run(job, seed);
@@ -707,13 +708,7 @@ BOOST_AUTO_TEST_CASE(a_rank_whose_backend_cannot_be_made_makes_every_rank_pass_t
 BOOST_AUTO_TEST_CASE(no_memory_for_the_exchange_makes_every_rank_pass_through_together) {
   const uint64_t seed = test::run_seed();
   Job job(
-      3,
-      [](int) {
-        auto env = base_env();
-        env.push_back({"LGRECO_MAX_MEMORY", "16"});
-        return params_of(env);
-      },
-      std::chrono::milliseconds(2000));
+      3, [](int) { return base_params_with("LGRECO_MAX_MEMORY", "16"); }, std::chrono::milliseconds(2000));
   Loop loop(3, 3, {6000});
   loop.run(job, seed);
   BOOST_TEST(job.fake.violation() == "");
