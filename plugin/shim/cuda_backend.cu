@@ -660,11 +660,10 @@ bool make_private_pool(CudaBackend::Shared& shared, int device) {
   else if ((e = cudaStreamCreateWithFlags(&shared.free_stream, cudaStreamNonBlocking)) != cudaSuccess)
     failed = "cudaStreamCreateWithFlags (frees)";
   if (failed) {
-    cudaGetLastError();  // not the framework's error
     if (shared.pool) cudaMemPoolDestroy(shared.pool);
     shared.pool = nullptr;
     shared.free_stream = nullptr;
-    cudaGetLastError();
+    cudaGetLastError();  // the failure (and any of the destroy's) is not the framework's error
     LGRECO_WARN_ONCE("SHIM", "private pool",
                      "cannot make lgreco's memory pool on CUDA device %d (%s failed: %s: %s); lgreco allocates with "
                      "cudaMalloc and frees with cudaFree instead, which wait for the whole device",

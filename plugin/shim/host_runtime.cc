@@ -53,10 +53,14 @@ void HostRuntime::set_capture_query_fails(nccl::Stream stream, bool fails) {
     capture_query_fails_.erase(stream);
 }
 
+namespace {
+constexpr char kNoDevice[] = "no device (the host runtime was told so: test)";
+}  // namespace
+
 std::unique_ptr<StreamBackend> HostRuntime::create_backend(int, uint64_t memory_cap) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (no_device_) throw std::runtime_error("no device (the host runtime was told so: test)");
+    if (no_device_) throw std::runtime_error(kNoDevice);
     if (!backend_failure_.empty()) throw std::runtime_error(backend_failure_);
   }
   return std::make_unique<HostBackend>(memory_cap, allocation_log_);
@@ -65,7 +69,7 @@ std::unique_ptr<StreamBackend> HostRuntime::create_backend(int, uint64_t memory_
 std::unique_ptr<ExchangeMemory> HostRuntime::exchange_memory(int) {
   std::lock_guard<std::mutex> lock(mutex_);
   ++exchange_memories_;
-  if (no_device_) throw std::runtime_error("no device (the host runtime was told so: test)");
+  if (no_device_) throw std::runtime_error(kNoDevice);
   // Host memory through a backend of its own (no cap, no allocation log: not a backend's).
   return std::make_unique<BackendExchangeMemory>(std::make_unique<HostBackend>(0));
 }

@@ -561,9 +561,6 @@ void Shim::agree(CommState& s, const Call& call) {
   std::string problem = local_problem_;
   try {
     s.backend = runtime_->create_backend(s.device, options_.params.max_memory);
-    // The call's stream before anything is enqueued: not the legacy default stream, which
-    // waits for every blocking stream and breaks a global-mode capture elsewhere.
-    s.backend->set_stream(call.stream);
     if (problem.empty()) problem = s.backend->unusable_reason();
   } catch (const std::exception& e) {
     s.backend.reset();
@@ -573,6 +570,8 @@ void Shim::agree(CommState& s, const Call& call) {
   std::unique_ptr<collective::Backend::Buffer> device_buffer, host_buffer;
   auto open_buffers = [&](std::unique_ptr<ExchangeMemory> m) {
     memory = std::move(m);
+    // The call's stream before anything is enqueued: not the legacy default stream, which
+    // waits for every blocking stream and breaks a global-mode capture elsewhere.
     memory->set_stream(call.stream);
     device_buffer = memory->allocate(sizeof(AgreementRecord) * (s.size + 1));
     // Pinned, so that the copy back is queued and the wait below is ours (a copy to
@@ -602,7 +601,6 @@ void Shim::agree(CommState& s, const Call& call) {
   const std::chrono::milliseconds timeout(options_.params.timeout_seconds * 1000);
   s.fabric = std::make_unique<NcclFabric>(api_, s.comm, s.rank, s.size, timeout);
   s.fabric->set_abandoned_flag(&s.abandoned);
-  memory->set_stream(call.stream);
   s.fabric->set_stream(call.stream);
 
   const AgreementRecord mine{collective::digest(config_text_), problem.empty() ? 1u : 0u,

@@ -97,6 +97,17 @@ struct Job {
     for (auto& t : threads) t.join();
     BOOST_TEST(expectations.failures() == "");
   }
+  // One in-place sum of 65536 ones on every rank (large enough to start the agreement);
+  // what each rank's call returned.
+  std::vector<nccl::Result> one_allreduce_each() {
+    std::vector<nccl::Result> results(fake.ranks());
+    run([&](int r) {
+      std::vector<float> a(65536, 1.0f);
+      results[r] =
+          shims[r]->all_reduce(a.data(), a.data(), a.size(), nccl::kFloat32, nccl::kSum, fake.comm(r), stream_of(r));
+    });
+    return results;
+  }
 };
 
 // Rank r's gradient of buffer b at step s: fresh values, different per rank and step.
@@ -486,12 +497,7 @@ BOOST_AUTO_TEST_CASE(what_one_rank_alone_sees_never_makes_it_pass_through_alone)
     Job job(
         3, [](int) { return params_of(base_env()); }, std::chrono::milliseconds(1000));
     job.fake.set_async(2, nccl::kRemoteError, 1);
-    std::vector<Result> results(3);
-    job.run([&](int r) {
-      std::vector<float> a(65536, 1.0f);
-      results[r] = job.shims[r]->all_reduce(a.data(), a.data(), a.size(), nccl::kFloat32, nccl::kSum, job.fake.comm(r),
-                                            stream_of(r));
-    });
+    const std::vector<Result> results = job.one_allreduce_each();
     BOOST_TEST(results[2] == nccl::kRemoteError);
     BOOST_TEST(job.fake.counts(2).all_reduce == 0u);
     BOOST_TEST(job.fake.counts(2).all_gather == 0u);
@@ -504,12 +510,7 @@ BOOST_AUTO_TEST_CASE(what_one_rank_alone_sees_never_makes_it_pass_through_alone)
     Job job(
         2, [](int) { return params_of(base_env()); }, std::chrono::milliseconds(1000));
     job.runtimes[0]->set_capture_query_fails(stream_of(0), true);
-    std::vector<Result> results(2);
-    job.run([&](int r) {
-      std::vector<float> a(65536, 1.0f);
-      results[r] = job.shims[r]->all_reduce(a.data(), a.data(), a.size(), nccl::kFloat32, nccl::kSum, job.fake.comm(r),
-                                            stream_of(r));
-    });
+    const std::vector<Result> results = job.one_allreduce_each();
     BOOST_TEST(results[0] == nccl::kInternalError);
     BOOST_TEST(job.fake.counts(0).all_reduce == 0u);
     BOOST_TEST(contains(job.shims[0]->last_error(job.fake.comm(0)), "cannot tell whether the call's stream"));
@@ -727,12 +728,7 @@ BOOST_AUTO_TEST_CASE(no_memory_for_the_exchange_makes_every_rank_pass_through_to
 BOOST_AUTO_TEST_CASE(a_rank_without_a_usable_device_makes_its_peers_fail_clearly_not_hang) {
   Job job(3, [](int) { return params_of(base_env()); }, std::chrono::milliseconds(1000));
   job.runtimes[2]->set_no_device(true);
-  std::vector<Result> results(3);
-  job.run([&](int r) {
-    std::vector<float> a(65536, 1.0f);
-    results[r] = job.shims[r]->all_reduce(a.data(), a.data(), a.size(), nccl::kFloat32, nccl::kSum, job.fake.comm(r),
-                                          stream_of(r));
-  });
+  const std::vector<Result> results = job.one_allreduce_each();
   // Rank 2 neither compresses nor forwards (its allreduce would meet its peers'
   // exchange): it fails, and its peers' exchange fails (NCCL: their watchdog).
   for (int r = 0; r < 3; ++r) BOOST_TEST(results[r] == nccl::kInternalError);
