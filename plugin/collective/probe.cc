@@ -182,46 +182,49 @@ BucketProbe::BucketProbe(const BucketLayout& layout, uint32_t bucket, std::span<
   sim_plan_ = make_plan(virtual_layout(vsizes, vcodecs), vcodecs, 1);
   if (sim_plan_.segments.size() != vsizes.size()) throw std::logic_error("BucketProbe: a virtual layer is not one segment");
   for (Segment& s : sim_plan_.segments) s.layer = static_cast<uint32_t>(vslots[s.layer]);
-  reduced_.assign(n, 0);
-  unreduced_.assign(n, 0);
+  assigned_.reduced.assign(n, 0);
+  assigned_.unreduced.assign(n, 0);
 }
 
-void BucketProbe::set_assignment(std::span<const CodecSpec> codecs, bool reduce_scatter) {
-  reduce_scatter_ = reduce_scatter;
+BucketProbe::Assignment BucketProbe::for_assignment(std::span<const CodecSpec> codecs, bool reduce_scatter) const {
+  Assignment a;
+  a.reduce_scatter = reduce_scatter;
+  a.reduced.assign(layers_.size(), 0);
+  a.unreduced.assign(layers_.size(), 0);
   std::vector<uint32_t> mine;
   std::vector<uint64_t> sizes;
   std::vector<CodecSpec> current;
   std::vector<uint8_t> included;
   for (size_t l = 0; l < layers_.size(); ++l) {
-    reduced_[l] = unreduced_[l] = 0;
     if (!mine_layers_[l]) continue;
     const bool reduced = reduce_scatter && exchange_of(codecs[l]) == Exchange::kReduce;
-    (reduced ? reduced_ : unreduced_)[l] = 1;
+    (reduced ? a.reduced : a.unreduced)[l] = 1;
     mine.push_back(static_cast<uint32_t>(l));
     sizes.push_back(layers_[l].sampled);
     current.push_back(reduced ? codecs[l] : CodecSpec::none());
     included.push_back(reduced ? 1 : 0);
   }
-  current_plan_ = make_plan(virtual_layout(sizes, current), current, 1, included);
-  for (Segment& s : current_plan_.segments) s.layer = mine[s.layer];
+  a.current_plan = make_plan(virtual_layout(sizes, current), current, 1, included);
+  for (Segment& s : a.current_plan.segments) s.layer = mine[s.layer];
+  return a;
 }
 
-BucketProbe::Scratch BucketProbe::scratch_bytes() const {
+BucketProbe::Scratch BucketProbe::scratch_bytes(const Assignment& assignment) const {
   Scratch s;
   const uint64_t all = std::accumulate(part_elements_.begin(), part_elements_.end(), uint64_t{0});
   s.send = 3 * all * sizeof(float);
   s.recv = 3 * static_cast<uint64_t>(ranks_) * mine_ * sizeof(float);
   s.inputs = s.sum = s.error = virtual_ * sizeof(float);
-  s.payload = std::max(sim_plan_.total_bytes, current_plan_.total_bytes);
+  s.payload = std::max(sim_plan_.total_bytes, assignment.current_plan.total_bytes);
   s.flags = layers_.size() * columns_;
   s.sample = mine_ * sizeof(float);
   return s;
 }
 
-void BucketProbe::prepare(Backend& backend, std::span<const CodecSpec> candidates) {
+void BucketProbe::prepare(Backend& backend, std::span<const CodecSpec> candidates, const Assignment& assignment) {
   if (mine_ == 0) return;
   backend.prepare_measure(sample_plan_, candidates);
-  if (!current_plan_.segments.empty()) backend.prepare_encode(current_plan_);
+  if (!assignment.current_plan.segments.empty()) backend.prepare_encode(assignment.current_plan);
   if (virtual_ == 0) return;
   // Without error feedback nothing carries over, but the codecs still need somewhere to
   // write what they lose: that is the error (step()).
@@ -275,14 +278,14 @@ void BucketProbe::step(Backend& backend, Fabric& fabric, const Call& call, const
     const ElementSpan input = floats(buf.inputs);
     backend.find_nonfinite(sim_plan_, all, input, buf.flags);
     const NoiseBase noise{seed_, static_cast<uint32_t>(p), call.step, 0};
-    const bool owns = reduce_scatter_ && p == rank_;
+    const bool owns = assigned_.reduce_scatter && p == rank_;
     if (owns) backend.accumulate_exact(sim_plan_, reducible, input, shadow, 0, buf.flags, sum);
     const std::span<const Segment> sent = owns ? gathered : all;
     backend.encode(sim_plan_, sent, input, shadow, 0, buf.flags, noise, buf.payload, 0);
     backend.decode_accumulate(sim_plan_, sent, buf.payload, 0, sum);
   }
   if (call.average) backend.divide(buf.sum, virtual_, static_cast<float>(n));
-  if (reduce_scatter_) {
+  if (assigned_.reduce_scatter) {
     if (!feedback) backend.fill_zero(owner, vbytes);
     const NoiseBase noise{seed_, NoiseBase::kReencodeRankBit | static_cast<uint32_t>(rank_), call.step, 0};
     backend.encode(sim_plan_, reducible, sum, owner, 0, nullptr, noise, buf.payload, 0);
@@ -301,7 +304,7 @@ void BucketProbe::step(Backend& backend, Fabric& fabric, const Call& call, const
                        out->simulated_independent, out->simulated_nonfinite);
   };
   for (int p = 0; p < n; ++p) add_error(shadows + static_cast<uint64_t>(p) * virtual_, w);
-  if (reduce_scatter_) add_error(owner, 1.0f);
+  if (assigned_.reduce_scatter) add_error(owner, 1.0f);
   backend.distance(all, floats(buf.error), nullptr, 2, 1.0, out->simulated, out->simulated_nonfinite);
 }
 
@@ -352,26 +355,26 @@ void BucketProbe::measure_reference(Backend& backend, const Call& call, const Bu
     backend.gather({&all, 1}, floats(block(p, 1)), mine_, 1.0f, true, buf.x);  // x = g + r
     backend.gather({&all, 1}, floats(buf.x), mine_, w, true, buf.exact);
     backend.gather({&all, 1}, floats(block(p, 2)), mine_, 1.0f, true, buf.owner);
-    if (!reduce_scatter_) {
+    if (!assigned_.reduce_scatter) {
       measure(buf.x, nullptr, mine_layers_, simulated_, w2);
       continue;
     }
     measure(buf.x, nullptr, mine_layers_, gathered_, w2);
-    measure(buf.x, nullptr, unreduced_, reducible_, w2 * (pn - 1) / pn + (call.average ? 1 / pn : pn));
-    const std::span<const Segment> reduced = current_plan_.segments;
+    measure(buf.x, nullptr, assigned_.unreduced, reducible_, w2 * (pn - 1) / pn + (call.average ? 1 / pn : pn));
+    const std::span<const Segment> reduced = assigned_.current_plan.segments;
     if (reduced.empty()) continue;
     if (p == rank_) {
-      backend.accumulate_exact(current_plan_, reduced, floats(buf.x), nullptr, 0, nullptr, owner_sum);
+      backend.accumulate_exact(assigned_.current_plan, reduced, floats(buf.x), nullptr, 0, nullptr, owner_sum);
       continue;
     }
-    measure(buf.x, nullptr, reduced_, reducible_, w2);
+    measure(buf.x, nullptr, assigned_.reduced, reducible_, w2);
     const NoiseBase noise{seed_ ^ 0x726566ull, static_cast<uint32_t>(p), call.step, 0};
-    backend.encode(current_plan_, reduced, floats(buf.x), nullptr, 0, nullptr, noise, buf.payload, 0);
-    backend.decode_accumulate(current_plan_, reduced, buf.payload, 0, owner_sum);
+    backend.encode(assigned_.current_plan, reduced, floats(buf.x), nullptr, 0, nullptr, noise, buf.payload, 0);
+    backend.decode_accumulate(assigned_.current_plan, reduced, buf.payload, 0, owner_sum);
   }
-  if (reduce_scatter_ && !current_plan_.segments.empty()) {
+  if (assigned_.reduce_scatter && !assigned_.current_plan.segments.empty()) {
     if (call.average) backend.divide(buf.owner_sum, mine_, static_cast<float>(n));
-    measure(buf.owner_sum, buf.owner, reduced_, reducible_, 1.0);
+    measure(buf.owner_sum, buf.owner, assigned_.reduced, reducible_, 1.0);
   }
   backend.gather({&all, 1}, floats(buf.owner), mine_, 1.0f, true, buf.exact);
 }

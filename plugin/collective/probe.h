@@ -110,18 +110,35 @@ class BucketProbe {
   static bool simulates(const CodecSpec& c);
 
   // The codecs in effect for the bucket's layers and its algorithm: what the reference
-  // measurement mirrors. Called when an assignment takes effect.
-  void set_assignment(std::span<const CodecSpec> codecs, bool reduce_scatter);
+  // measurement mirrors. for_assignment computes it without changing the probe (the
+  // engine prepares an assignment a step before it takes effect); set_assignment makes
+  // it the one in effect.
+  struct Assignment {
+    // The algorithm, which of this rank's layers are reduced by sra (their reference has
+    // two stages) or not, and the plan of the reduced ones at their codecs over the
+    // sample layout (the owner's sum).
+    bool reduce_scatter = false;
+    std::vector<uint8_t> reduced, unreduced;
+    Plan current_plan;
+  };
+  Assignment for_assignment(std::span<const CodecSpec> codecs, bool reduce_scatter) const;
+  void set_assignment(Assignment assignment) { assigned_ = std::move(assignment); }
+  void set_assignment(std::span<const CodecSpec> codecs, bool reduce_scatter) {
+    set_assignment(for_assignment(codecs, reduce_scatter));
+  }
   // Allocates the shadows (once; they persist) and prepares the backend for the
-  // simulation and the measurements (of `candidates`, the statistics' columns), after
-  // set_assignment. Throws std::bad_alloc (or what Backend::prepare_* throw).
-  void prepare(Backend& backend, std::span<const CodecSpec> candidates);
+  // simulation and the measurements (of `candidates`, the statistics' columns) under
+  // `assignment` (by default the one in effect); growth only, so the assignment in
+  // effect stays prepared. Throws std::bad_alloc (or what Backend::prepare_* throw).
+  void prepare(Backend& backend, std::span<const CodecSpec> candidates, const Assignment& assignment);
+  void prepare(Backend& backend, std::span<const CodecSpec> candidates) { prepare(backend, candidates, assigned_); }
 
-  // Staging one step needs, shared by the buckets of an engine.
+  // Staging one step needs under `assignment`, shared by the buckets of an engine.
   struct Scratch {
     uint64_t send = 0, recv = 0, inputs = 0, sum = 0, error = 0, payload = 0, flags = 0, sample = 0;
   };
-  Scratch scratch_bytes() const;
+  Scratch scratch_bytes(const Assignment& assignment) const;
+  Scratch scratch_bytes() const { return scratch_bytes(assigned_); }
   struct Buffers {
     float* send = nullptr;
     float* recv = nullptr;
@@ -193,12 +210,7 @@ class BucketProbe {
   std::vector<Backend::Run> replicate_;  // sample layout -> virtual layout
   uint64_t virtual_ = 0;
   std::unique_ptr<Backend::Buffer> shadows_, owner_shadow_;  // ranks x virtual, virtual
-  // The assignment in effect (set_assignment): the algorithm, which of this rank's layers
-  // are reduced by sra (their reference has two stages) or not, and the plan of the
-  // reduced ones at their current codecs over the sample layout (the owner's sum).
-  bool reduce_scatter_ = false;
-  std::vector<uint8_t> reduced_, unreduced_;
-  Plan current_plan_;
+  Assignment assigned_;                                      // in effect (set_assignment)
 };
 
 }  // namespace lgreco::collective
