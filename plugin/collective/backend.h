@@ -78,7 +78,9 @@ class Backend {
   virtual void fill_zero(void* data, uint64_t bytes) = 0;
   virtual void copy(void* dst, const void* src, uint64_t bytes) = 0;
   virtual void upload(void* dst, const void* host_src, uint64_t bytes) = 0;
-  // Copies to host memory; the Event says when the bytes are there.
+  // Copies to host memory; the Event says when the bytes are there. host_dst comes from
+  // allocate_host(): into other memory a CUDA backend's copy returns only when it is done,
+  // a wait that await() cannot see.
   virtual std::unique_ptr<Event> read_back(void* host_dst, const void* src, uint64_t bytes) = 0;
 
   // flags[l] = 1 for each layer l of the segments whose input holds a NaN or an
@@ -239,6 +241,31 @@ class Backend {
   virtual void wait_mark(uint64_t mark) = 0;
   virtual double seconds_between(uint64_t first_mark, uint64_t second_mark) = 0;
   virtual void release_mark(uint64_t mark) = 0;
+
+  // The host's waits for queued work. The engine waits through these two alone, so that
+  // they can be counted: `waits` is every wait, `stalls` the waits that found the work
+  // unfinished, where the host blocked until the queue got there (CUDA: the event not yet
+  // reached on the device). Training's steady state makes none (docs/ENGINE.md, "The host
+  // waits for nothing it just queued"). From the one thread that drives this backend.
+  struct WaitCounters {
+    uint64_t waits = 0, stalls = 0;
+  };
+  void await(Event& event) {
+    ++waits_.waits;
+    if (event.ready()) return;
+    ++waits_.stalls;
+    event.wait();
+  }
+  void await_mark(uint64_t mark) {
+    ++waits_.waits;
+    if (mark_ready(mark)) return;
+    ++waits_.stalls;
+    wait_mark(mark);
+  }
+  const WaitCounters& wait_counters() const { return waits_; }
+
+ private:
+  WaitCounters waits_;
 };
 
 }  // namespace lgreco::collective

@@ -17,10 +17,29 @@ namespace {
 // The gathered part of an sra call (TopK layers) has its own, so that nothing it stages
 // can alias the sra part's buffers.
 enum Scratch : int {
-  kSend = 0, kRecv, kAcc, kReencoded, kGathered, kStats, kPartSend, kPartGathered, kPartAcc, kLowRankP, kLowRankQ,
+  kSend = 0,
+  kRecv,
+  kAcc,
+  kReencoded,
+  kGathered,
+  kPartSend,
+  kPartGathered,
+  kPartAcc,
+  kLowRankP,
+  kLowRankQ,
   // The error probe's staging (BucketProbe::Buffers), shared by the buckets.
-  kProbeSend, kProbeRecv, kProbeInputs, kProbeSum, kProbeError, kProbePayload, kProbeFlags, kProbeX, kProbeOwner,
-  kProbeOwnerSum, kProbeExact, kProbeOut,
+  kProbeSend,
+  kProbeRecv,
+  kProbeInputs,
+  kProbeSum,
+  kProbeError,
+  kProbePayload,
+  kProbeFlags,
+  kProbeX,
+  kProbeOwner,
+  kProbeOwnerSum,
+  kProbeExact,
+  kProbeOut,
   kScratchCount
 };
 
@@ -304,8 +323,55 @@ struct Engine::BucketState {
   std::vector<Backend::LowRankLayer> lowrank, lowrank_measured;
   std::vector<Segment> lowrank_segments;  // of `whole`, for the non-finite check
   std::unique_ptr<Backend::Buffer> q_warm, q0;
+  std::unique_ptr<Backend::Buffer> q0_host;  // pinned staging of Q0's upload (stage_lowrank)
   uint64_t p_floats = 0, q_floats = 0;
   double quant_elements = 0;  // elements of layers whose codec quantizes
+};
+
+// One bucket under an assignment not yet in effect: what switching sets, computed and
+// allocated, and what apply() copies from the state in effect when it takes effect.
+struct Engine::StagedBucket {
+  std::vector<CodecSpec> codecs;
+  double quant_elements = 0;
+  Plan plan, gathered, whole;
+  Algorithm algorithm = Algorithm::kAllGather;
+  std::optional<ExchangeSizes> sizes;
+  std::vector<uint64_t> gathered_bytes;
+  uint64_t encoded_bytes = 0;
+  // Low rank: the layers, the seeded Q0 (uploaded) and the warm Q (Q0 for now; apply()
+  // carries over the layers that stay low rank at the same rank).
+  std::vector<Backend::LowRankLayer> lowrank;
+  std::vector<Segment> lowrank_segments;
+  std::unique_ptr<Backend::Buffer> q_warm, q0;
+  uint64_t p_floats = 0, q_floats = 0;
+  // sra's owner residual: kept, replaced by one for a new partition (the elements both
+  // cover carry over at apply()), or dropped (all-gather: a later return to sra must not
+  // find a residual many steps old).
+  enum class Owner : uint8_t { kKeep, kReplace, kDrop } owner = Owner::kKeep;
+  std::unique_ptr<Backend::Buffer> owner_residual;
+  uint64_t owner_begin = 0, owner_end = 0;
+  BucketProbe::Assignment probe;
+};
+
+struct Engine::Staged {
+  std::shared_ptr<const controller::Assignment> assignment;
+  std::vector<StagedBucket> buckets;
+};
+
+// A window's statistics on their way across ranks (send_window_sum).
+struct Engine::PendingSum {
+  uint64_t window_last = 0, sent_at = 0;
+  size_t statistics = 0, exchanges = 0;  // doubles of the statistics; timed exchanges per rank
+  double encoded = 0;                    // encoded bytes of the timed calls, the same on every rank
+  std::unique_ptr<Event> ready;
+};
+
+// An assignment staged, the ranks' agreement on it in flight (stage_switch).
+struct Engine::PendingSwitch {
+  uint64_t step = 0;               // when it takes effect
+  std::unique_ptr<Staged> staged;  // null: the assignment stays (a failed solve or staging)
+  uint64_t epoch = 0;
+  std::unique_ptr<Event> agreed;
 };
 
 Engine::Engine(EngineOptions options, std::vector<BucketLayout> buckets, Fabric& fabric, Backend& backend)
@@ -387,6 +453,7 @@ Engine::Engine(EngineOptions options, std::vector<BucketLayout> buckets, Fabric&
   // The agreement's records: allocated here, so that comparing configurations can never
   // fail on one rank alone.
   agreement_ = backend_.allocate(sizeof(AgreementRecord) * (fabric_.size() + 1));
+  agreement_host_ = backend_.allocate_host(sizeof(AgreementRecord) * (fabric_.size() + 1));
 }
 
 Engine::~Engine() {
@@ -397,21 +464,31 @@ Engine::~Engine() {
   }
 }
 
+namespace {
+
+// Diagnostics only: waits for the queue.
+std::vector<float> floats_to_host(Backend& backend, const void* src, uint64_t n) {
+  std::vector<float> out(n);
+  if (n == 0) return out;
+  const std::unique_ptr<Backend::Buffer> host = backend.allocate_host(n * 4);
+  backend.await(*backend.read_back(host->data(), src, n * 4));
+  std::memcpy(out.data(), host->data(), n * 4);
+  return out;
+}
+
+}  // namespace
+
 std::vector<float> Engine::residual_snapshot(uint32_t bucket) const {
   const BucketState& b = *state_of_.at(bucket);
-  std::vector<float> out;
-  if (!b.residual) return out;
-  out.resize(buckets_[bucket].count);
-  backend_.read_back(out.data(), b.residual->data(), out.size() * 4)->wait();
-  return out;
+  if (!b.residual) return {};
+  return floats_to_host(backend_, b.residual->data(), buckets_[bucket].count);
 }
 
 std::pair<uint64_t, std::vector<float>> Engine::owner_residual_snapshot(uint32_t bucket) const {
   const BucketState& b = *state_of_.at(bucket);
   std::pair<uint64_t, std::vector<float>> out{b.owner_begin, {}};
   if (!b.owner_residual || b.algorithm != Algorithm::kScatterReduceAllGather) return out;
-  out.second.resize(b.owner_end - b.owner_begin);
-  backend_.read_back(out.second.data(), b.owner_residual->data(), out.second.size() * 4)->wait();
+  out.second = floats_to_host(backend_, b.owner_residual->data(), b.owner_end - b.owner_begin);
   return out;
 }
 
@@ -429,10 +506,9 @@ Algorithm Engine::algorithm(uint32_t bucket) const { return state_of_.at(bucket)
 
 uint8_t* Engine::scratch(int which, uint64_t bytes) {
   auto& buffer = scratch_[which];
-  if (!buffer || buffer->bytes() < bytes) {
-    buffer.reset();
-    buffer = backend_.allocate(std::max<uint64_t>(bytes, 64));
-  }
+  // The new buffer before the old one goes: where it cannot be had, the plans in effect
+  // keep theirs (an assignment is staged while they run).
+  if (!buffer || buffer->bytes() < bytes) buffer = backend_.allocate(std::max<uint64_t>(bytes, 64));
   return static_cast<uint8_t*>(buffer->data());
 }
 
@@ -456,6 +532,15 @@ std::string Engine::unsupported_codec() const {
 // Agreement
 
 std::string Engine::agree(uint64_t assignment, bool local_ok, const std::string& local_problem) {
+  const std::unique_ptr<Event> sent = send_agreement(assignment, local_ok, local_problem);
+  backend_.await(*sent);
+  return read_agreement();
+}
+
+// The records travel from pinned host memory and back to it (slot 0: this rank's; then
+// every rank's), so that neither copy blocks the host; nothing rewrites them before
+// read_agreement, since one agreement is in flight at a time.
+std::unique_ptr<Event> Engine::send_agreement(uint64_t assignment, bool local_ok, const std::string& local_problem) {
   if (!options_.valid && !warned_invalid_) {
     warned_invalid_ = true;
     LGRECO_WARN("ENGINE", "this rank's configuration is invalid, so no rank compresses: %s",
@@ -469,13 +554,21 @@ std::string Engine::agree(uint64_t assignment, bool local_ok, const std::string&
   mine.layouts = layouts_digest(buckets_);
   mine.assignment = assignment;
   const int n = fabric_.size();
-  std::vector<AgreementRecord> all(n);
+  auto* host = static_cast<uint8_t*>(agreement_host_->data());
+  std::memcpy(host, &mine, sizeof mine);
   auto* device = static_cast<uint8_t*>(agreement_->data());
-  backend_.upload(device, &mine, sizeof mine);
+  backend_.upload(device, host, sizeof mine);
   const std::vector<uint64_t> bytes(n, sizeof(AgreementRecord));
   fabric_.all_gather_v(device, bytes, device + sizeof(AgreementRecord));
-  backend_.read_back(all.data(), device + sizeof(AgreementRecord), sizeof(AgreementRecord) * n)->wait();
+  return backend_.read_back(host + sizeof(AgreementRecord), device + sizeof(AgreementRecord),
+                            sizeof(AgreementRecord) * n);
+}
 
+std::string Engine::read_agreement() const {
+  const int n = fabric_.size();
+  std::vector<AgreementRecord> all(n);
+  std::memcpy(all.data(), static_cast<const uint8_t*>(agreement_host_->data()) + sizeof(AgreementRecord),
+              sizeof(AgreementRecord) * n);
   // Every rank builds the same message from the same records. Assignments are compared
   // among valid ranks only (an invalid rank has none).
   std::string invalid, parameters, layouts, assignments, foreign;
@@ -513,111 +606,118 @@ std::string Engine::agree(uint64_t assignment, bool local_ok, const std::string&
 // ---------------------------------------------------------------------------------------
 // Assignments and plans
 
-void Engine::switch_to(std::shared_ptr<const controller::Assignment> assignment) {
+std::unique_ptr<Engine::Staged> Engine::stage(std::shared_ptr<const controller::Assignment> assignment) {
+  auto staged = std::make_unique<Staged>();
+  staged->assignment = assignment;
+  staged->buckets.resize(buckets_.size());
   const int n = fabric_.size();
   uint64_t send = 0, recv = 0, acc = 0, reencoded = 0, gathered = 0, part_send = 0, part_acc = 0;
   uint64_t lowrank_p = 0, lowrank_q = 0;  // floats
   BucketProbe::Scratch probe;
   for (size_t b = 0; b < buckets_.size(); ++b) {
     BucketState& s = *state_of_[b];
+    StagedBucket& t = staged->buckets[b];
     const BucketLayout& layout = buckets_[b];
-    s.codecs.clear();
-    s.quant_elements = 0;
     for (size_t l = 0; l < layout.layers.size(); ++l) {
       const LayerLayout& layer = layout.layers[l];
       uint32_t choice = layer.default_index;
       if (s.controller_of[l] >= 0 && assignment && !assignment->choices.empty())
         choice = assignment->choices[s.controller_of[l]];
-      s.codecs.push_back(layer.candidates[choice]);
-      if (s.codecs.back().family() == CodecFamily::kQuant) s.quant_elements += static_cast<double>(layer.numel);
+      t.codecs.push_back(layer.candidates[choice]);
+      if (t.codecs.back().family() == CodecFamily::kQuant) t.quant_elements += static_cast<double>(layer.numel);
     }
     const size_t layers = layout.layers.size();
     std::vector<uint8_t> reduce_layers(layers), gather_layers(layers), lowrank_layers(layers), not_lowrank(layers);
     for (size_t l = 0; l < layers; ++l) {
-      const Exchange e = exchange_of(s.codecs[l]);
+      const Exchange e = exchange_of(t.codecs[l]);
       gather_layers[l] = e == Exchange::kGather;
       reduce_layers[l] = e == Exchange::kReduce;
       lowrank_layers[l] = e == Exchange::kLowRank;
       not_lowrank[l] = !lowrank_layers[l];
     }
     const bool any_lowrank = std::find(lowrank_layers.begin(), lowrank_layers.end(), 1) != lowrank_layers.end();
-    s.whole = make_plan(layout, s.codecs, 1);
-    switch_lowrank(static_cast<uint32_t>(b), lowrank_layers);
-    lowrank_p = std::max(lowrank_p, s.p_floats);
-    lowrank_q = std::max(lowrank_q, s.q_floats);
-    s.algorithm = options_.algorithm;
-    if (s.algorithm == Algorithm::kAuto)
-      s.algorithm = n <= 2 || s.whole.total_bytes <= kSmallEncoding ? Algorithm::kAllGather
-                                                                    : Algorithm::kScatterReduceAllGather;
-    s.gathered = Plan{};
-    if (s.algorithm == Algorithm::kAllGather) {
-      s.plan = any_lowrank ? make_plan(layout, s.codecs, 1, not_lowrank) : s.whole;
-      // A later return to sra must not find a residual many steps old.
-      s.owner_residual.reset();
-      s.owner_begin = s.owner_end = 0;
+    t.whole = make_plan(layout, t.codecs, 1);
+    stage_lowrank(static_cast<uint32_t>(b), lowrank_layers, t);
+    lowrank_p = std::max(lowrank_p, t.p_floats);
+    lowrank_q = std::max(lowrank_q, t.q_floats);
+    t.algorithm = options_.algorithm;
+    if (t.algorithm == Algorithm::kAuto)
+      t.algorithm =
+          n <= 2 || t.whole.total_bytes <= kSmallEncoding ? Algorithm::kAllGather : Algorithm::kScatterReduceAllGather;
+    if (t.algorithm == Algorithm::kAllGather) {
+      t.plan = any_lowrank ? make_plan(layout, t.codecs, 1, not_lowrank) : t.whole;
+      t.owner = StagedBucket::Owner::kDrop;
     } else {
-      s.plan = make_plan(layout, s.codecs, static_cast<uint32_t>(n), reduce_layers);
+      t.plan = make_plan(layout, t.codecs, static_cast<uint32_t>(n), reduce_layers);
       if (std::find(gather_layers.begin(), gather_layers.end(), 1) != gather_layers.end())
-        s.gathered = make_plan(layout, s.codecs, 1, gather_layers);
-      const Partition& mine = s.plan.partitions[fabric_.rank()];
+        t.gathered = make_plan(layout, t.codecs, 1, gather_layers);
+      const Partition& mine = t.plan.partitions[fabric_.rank()];
       // The owner's residual follows its partition: elements it keeps keep their residual.
       if (options_.error_feedback && (!s.owner_residual || s.owner_begin != mine.begin || s.owner_end != mine.end)) {
-        auto next = backend_.allocate(mine.count() * 4);
-        const uint64_t lo = std::max(mine.begin, s.owner_begin), hi = std::min(mine.end, s.owner_end);
-        if (s.owner_residual && lo < hi)
-          backend_.copy(static_cast<float*>(next->data()) + (lo - mine.begin),
-                        static_cast<float*>(s.owner_residual->data()) + (lo - s.owner_begin), (hi - lo) * 4);
-        s.owner_residual = std::move(next);
-        s.owner_begin = mine.begin;
-        s.owner_end = mine.end;
+        t.owner = StagedBucket::Owner::kReplace;
+        t.owner_residual = backend_.allocate(mine.count() * 4);
+        t.owner_begin = mine.begin;
+        t.owner_end = mine.end;
       }
     }
-    s.sizes.emplace(s.plan, s.algorithm, n, fabric_.rank(), layout.count);
-    s.gathered_bytes.assign(n, s.gathered.total_bytes);
-    s.encoded_bytes = s.plan.total_bytes + s.gathered.total_bytes + 4 * (s.p_floats + s.q_floats);
-    if (!s.gathered.segments.empty()) {
-      const Segment& first = s.gathered.segments.front();
-      const Segment& last = s.gathered.segments.back();
-      part_send = std::max(part_send, s.gathered.total_bytes);
+    t.sizes.emplace(t.plan, t.algorithm, n, fabric_.rank(), layout.count);
+    t.gathered_bytes.assign(n, t.gathered.total_bytes);
+    t.encoded_bytes = t.plan.total_bytes + t.gathered.total_bytes + 4 * (t.p_floats + t.q_floats);
+    if (!t.gathered.segments.empty()) {
+      const Segment& first = t.gathered.segments.front();
+      const Segment& last = t.gathered.segments.back();
+      part_send = std::max(part_send, t.gathered.total_bytes);
       part_acc = std::max(part_acc, (last.offset + last.count - first.offset) * 4);
     }
-    send = std::max(send, s.sizes->send);
-    recv = std::max(recv, s.sizes->recv);
-    acc = std::max(acc, s.sizes->acc);
-    reencoded = std::max(reencoded, s.sizes->reencoded);
-    gathered = std::max(gathered, s.sizes->gathered);
+    send = std::max(send, t.sizes->send);
+    recv = std::max(recv, t.sizes->recv);
+    acc = std::max(acc, t.sizes->acc);
+    reencoded = std::max(reencoded, t.sizes->reencoded);
+    gathered = std::max(gathered, t.sizes->gathered);
+    // Allocated once, before the first call compresses: nothing in effect uses them yet.
     if (options_.error_feedback && !s.residual) s.residual = backend_.allocate(layout.count * 4);
     if (!s.flags) s.flags = backend_.allocate(layout.layers.size());
     // What measuring needs is allocated here too, where a failure is still agreed on by
-    // every rank, not in the middle of a call on one rank.
+    // every rank, not in the middle of a call on one rank. The backend's preparations
+    // only grow what it holds, so the plans in effect stay prepared.
     if (controller_) {
-      backend_.prepare_measure(s.plan, measured_candidates_);
-      backend_.prepare_measure(s.whole, measured_candidates_);
+      backend_.prepare_measure(t.plan, measured_candidates_);
+      backend_.prepare_measure(t.whole, measured_candidates_);
     }
     // The error probe: its shadows (allocated once), its simulation's preparation, and the
     // staging of the largest.
     if (s.probe) {
-      s.probe->set_assignment(s.codecs, s.algorithm == Algorithm::kScatterReduceAllGather);
-      s.probe->prepare(backend_, measured_candidates_);
-      const BucketProbe::Scratch need = s.probe->scratch_bytes();
+      t.probe = s.probe->for_assignment(t.codecs, t.algorithm == Algorithm::kScatterReduceAllGather);
+      s.probe->prepare(backend_, measured_candidates_, t.probe);
+      const BucketProbe::Scratch need = s.probe->scratch_bytes(t.probe);
       for (auto [total, one] : {std::pair{&probe.send, need.send}, {&probe.recv, need.recv}, {&probe.inputs, need.inputs},
                                 {&probe.sum, need.sum}, {&probe.error, need.error}, {&probe.payload, need.payload},
                                 {&probe.flags, need.flags}, {&probe.sample, need.sample}})
         *total = std::max(*total, one);
     }
     // And what the exchange's kernels need (a GPU's TopK selection scratch, cuBLAS).
-    backend_.prepare_encode(s.plan);
-    if (!s.gathered.segments.empty()) backend_.prepare_encode(s.gathered);
+    backend_.prepare_encode(t.plan);
+    if (!t.gathered.segments.empty()) backend_.prepare_encode(t.gathered);
     const std::span<const Backend::LowRankLayer> measured_lowrank =
         controller_ ? std::span<const Backend::LowRankLayer>(s.lowrank_measured) : std::span<const Backend::LowRankLayer>();
-    if (!s.lowrank.empty() || !measured_lowrank.empty())
-      backend_.prepare_lowrank(s.lowrank, measured_lowrank, max_lowrank_candidate_rank(), layout.dtype,
+    if (!t.lowrank.empty() || !measured_lowrank.empty())
+      backend_.prepare_lowrank(t.lowrank, measured_lowrank, max_lowrank_candidate_rank(), layout.dtype,
                                options_.error_feedback);
   }
-  // One sample buffer per bucket to start with; a window that needs more (the queue lags
-  // many calls behind) allocates them, and measures less if it cannot (begin_sample).
-  if (controller_ && spare_samples_.empty() && samples_.empty())
-    for (size_t b = 0; b < buckets_.size(); ++b) spare_samples_.push_back(new_sample(static_cast<uint32_t>(b)));
+  if (controller_) {
+    // One sample buffer per bucket to start with; a window that needs more (the queue lags
+    // many calls behind) allocates them, and measures less if it cannot (begin_sample).
+    if (spare_samples_.empty() && samples_.empty())
+      for (size_t b = 0; b < buckets_.size(); ++b) spare_samples_.push_back(new_sample(static_cast<uint32_t>(b)));
+    // The window's sum: the statistics, then the codec's time and elements, then each
+    // rank's slot of exchange times.
+    if (!window_sum_) {
+      const uint64_t bytes = (stats_->reduction_buffer().size() + 2 + n * kMaxTimedExchanges) * sizeof(double);
+      window_sum_ = backend_.allocate(bytes);
+      window_sum_host_ = backend_.allocate_host(bytes);
+    }
+  }
+  // Scratch grows: the plans in effect use it until apply().
   scratch(kSend, send);
   scratch(kRecv, recv);
   scratch(kAcc, acc);
@@ -639,17 +739,69 @@ void Engine::switch_to(std::shared_ptr<const controller::Assignment> assignment)
                                 {kProbeOwnerSum, probe.sample}, {kProbeExact, probe.sample}, {kProbeOut, probe.sample}})
       scratch(which, bytes);
   }
-  assignment_ = std::move(assignment);
+  return staged;
 }
 
-// The low-rank layers of a bucket under its new codecs: offsets into P and Q, and the
-// warm-started Q. A layer that stays low rank at the same rank keeps its Q (the warm start
-// survives a re-solve); any other starts from Q0, which every rank derives from the shared
-// seed and the layer's global index, so that every rank holds the same Q.
-void Engine::switch_lowrank(uint32_t bucket, std::span<const uint8_t> lowrank_layers) {
+void Engine::switch_to(std::shared_ptr<const controller::Assignment> assignment) {
+  apply(*stage(std::move(assignment)));
+}
+
+// Only enqueued copies here: the warm start and the owner residual carry over from the
+// state in effect until now.
+void Engine::apply(Staged& staged) {
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    BucketState& s = *state_of_[b];
+    StagedBucket& t = staged.buckets[b];
+    s.codecs = std::move(t.codecs);
+    s.quant_elements = t.quant_elements;
+    s.plan = std::move(t.plan);
+    s.gathered = std::move(t.gathered);
+    s.whole = std::move(t.whole);
+    s.algorithm = t.algorithm;
+    // A layer that stays low rank at the same rank keeps its Q (the warm start survives a
+    // re-solve); any other starts from Q0.
+    for (const Backend::LowRankLayer& x : t.lowrank)
+      for (const Backend::LowRankLayer& old : s.lowrank)
+        if (old.layer == x.layer && old.rank == x.rank)
+          backend_.copy(static_cast<float*>(t.q_warm->data()) + x.q_offset,
+                        static_cast<float*>(s.q_warm->data()) + old.q_offset, x.cols * x.rank * 4);
+    s.lowrank = std::move(t.lowrank);
+    s.lowrank_segments = std::move(t.lowrank_segments);
+    s.q_warm = std::move(t.q_warm);
+    s.q0 = std::move(t.q0);
+    s.p_floats = t.p_floats;
+    s.q_floats = t.q_floats;
+    switch (t.owner) {
+      case StagedBucket::Owner::kKeep: break;
+      case StagedBucket::Owner::kDrop:
+        s.owner_residual.reset();
+        s.owner_begin = s.owner_end = 0;
+        break;
+      case StagedBucket::Owner::kReplace: {
+        const uint64_t lo = std::max(t.owner_begin, s.owner_begin), hi = std::min(t.owner_end, s.owner_end);
+        if (s.owner_residual && lo < hi)
+          backend_.copy(static_cast<float*>(t.owner_residual->data()) + (lo - t.owner_begin),
+                        static_cast<float*>(s.owner_residual->data()) + (lo - s.owner_begin), (hi - lo) * 4);
+        s.owner_residual = std::move(t.owner_residual);
+        s.owner_begin = t.owner_begin;
+        s.owner_end = t.owner_end;
+        break;
+      }
+    }
+    s.sizes = std::move(t.sizes);
+    s.gathered_bytes = std::move(t.gathered_bytes);
+    s.encoded_bytes = t.encoded_bytes;
+    if (s.probe) s.probe->set_assignment(std::move(t.probe));
+  }
+  assignment_ = std::move(staged.assignment);
+}
+
+// The low-rank layers of a bucket under its staged codecs: offsets into P and Q, Q0 (which
+// every rank derives from the shared seed and the layer's global index, so that every
+// rank holds the same Q), and the warm Q's buffer, Q0 for now.
+void Engine::stage_lowrank(uint32_t bucket, std::span<const uint8_t> lowrank_layers, StagedBucket& t) {
   BucketState& s = *state_of_[bucket];
   const BucketLayout& layout = buckets_[bucket];
-  std::vector<Backend::LowRankLayer> next;
   uint64_t p = 0, q = 0;
   for (size_t l = 0; l < layout.layers.size(); ++l) {
     if (!lowrank_layers[l]) continue;
@@ -658,37 +810,46 @@ void Engine::switch_lowrank(uint32_t bucket, std::span<const uint8_t> lowrank_la
     x.offset = layout.layers[l].offset;
     x.rows = layout.layers[l].rows;
     x.cols = layout.layers[l].numel / x.rows;
-    x.rank = s.codecs[l].powersgd_params().rank;
+    x.rank = t.codecs[l].powersgd_params().rank;
     x.p_offset = p;
     x.q_offset = q;
     p += x.rows * x.rank;
     q += x.cols * x.rank;
-    next.push_back(x);
+    t.lowrank.push_back(x);
   }
-  std::unique_ptr<Backend::Buffer> q_warm, q0;
-  if (!next.empty()) {
-    q_warm = backend_.allocate(q * 4);
-    q0 = backend_.allocate(q * 4);
-    std::vector<float> host(q);
-    for (const Backend::LowRankLayer& x : next)
-      lowrank::initial_q(NoiseKey{options_.seed, 0, 0, s.layer_base + x.layer}, x.cols, x.rank, host.data() + x.q_offset);
-    backend_.upload(q0->data(), host.data(), q * 4);
-    backend_.copy(q_warm->data(), q0->data(), q * 4);
-    for (const Backend::LowRankLayer& x : next)
-      for (const Backend::LowRankLayer& old : s.lowrank)
-        if (old.layer == x.layer && old.rank == x.rank)
-          backend_.copy(static_cast<float*>(q_warm->data()) + x.q_offset,
-                        static_cast<float*>(s.q_warm->data()) + old.q_offset, x.cols * x.rank * 4);
+  t.p_floats = p;
+  t.q_floats = q;
+  for (const Backend::LowRankLayer& x : t.lowrank)
+    for (const Segment& seg : t.whole.segments)
+      if (seg.layer == x.layer) t.lowrank_segments.push_back(seg);
+  if (t.lowrank.empty()) return;
+  t.q_warm = backend_.allocate(q * 4);
+  t.q0 = backend_.allocate(q * 4);
+  // Q0 travels from pinned memory (pageable could make the copy wait for the queue). The
+  // staging buffer is rewritten at the next switch only: by then this upload is done, since
+  // the agreement read at this switch waited for work queued after it.
+  if (!s.q0_host || s.q0_host->bytes() < q * 4) {
+    s.q0_host.reset();
+    s.q0_host = backend_.allocate_host(max_lowrank_q_floats(bucket) * 4);
   }
-  s.lowrank = std::move(next);
-  s.q_warm = std::move(q_warm);
-  s.q0 = std::move(q0);
-  s.p_floats = p;
-  s.q_floats = q;
-  s.lowrank_segments.clear();
-  for (const Backend::LowRankLayer& x : s.lowrank)
-    for (const Segment& seg : s.whole.segments)
-      if (seg.layer == x.layer) s.lowrank_segments.push_back(seg);
+  auto* host = static_cast<float*>(s.q0_host->data());
+  for (const Backend::LowRankLayer& x : t.lowrank)
+    lowrank::initial_q(NoiseKey{options_.seed, 0, 0, s.layer_base + x.layer}, x.cols, x.rank, host + x.q_offset);
+  backend_.upload(t.q0->data(), host, q * 4);
+  backend_.copy(t.q_warm->data(), t.q0->data(), q * 4);
+}
+
+// The most floats of Q any assignment gives the bucket: every matrix layer at its largest
+// low-rank candidate (so that Q0's pinned staging is allocated once).
+uint64_t Engine::max_lowrank_q_floats(uint32_t bucket) const {
+  uint64_t q = 0;
+  for (const LayerLayout& l : buckets_[bucket].layers) {
+    uint32_t rank = 0;
+    for (const CodecSpec& c : l.candidates)
+      if (c.family() == CodecFamily::kPowersgd) rank = std::max(rank, c.powersgd_params().rank);
+    if (rank && l.rows) q += l.numel / l.rows * rank;
+  }
+  return q;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -721,6 +882,14 @@ std::string Engine::check_call(const EngineCall& call) const {
 
 CallOutcome Engine::allreduce(const EngineCall& call) {
   ++counters_.calls;
+  // The backend's count of the host's waits, brought into the counters as the call ends.
+  struct CopyWaits {
+    Engine& e;
+    ~CopyWaits() {
+      e.counters_.host_waits = e.backend_.wait_counters().waits;
+      e.counters_.host_stalls = e.backend_.wait_counters().stalls;
+    }
+  } copy_waits{*this};
   if (state_ == State::kBroken) {
     ++counters_.errors;
     return CallOutcome{CallOutcome::Kind::kError, "lgreco: an earlier compressed allreduce failed: " + broken_reason_};
@@ -776,31 +945,8 @@ CallOutcome Engine::run(const EngineCall& call) {
 
   resolve_timings(false);
   collect_samples(false);
-  // A finished measurement window: aggregate and submit before this step's exchange.
-  if (window_end_ && call.step > *window_end_) submit_window();
-
-  if (controller_) {
-    std::shared_ptr<const controller::Assignment> next = controller_->assignment_for_step(call.step);
-    // At every switch step the ranks compare what they are about to use, whether or not
-    // their solve succeeded: a rank whose solve failed keeps its assignment, and must not
-    // be the one rank that skips the comparison.
-    if (next != assignment_ || (switch_due_ && call.step >= *switch_due_)) {
-      switch_due_.reset();
-      std::string problem;
-      try {
-        if (next != assignment_) switch_to(next);
-      } catch (const std::bad_alloc&) {
-        problem = "cannot allocate the staging buffers of epoch " + std::to_string(next->epoch);
-      } catch (const std::exception& e) {
-        problem = "cannot prepare the " + backend_.name() + " backend for epoch " + std::to_string(next->epoch) +
-                  ": " + e.what();
-      }
-      const std::string why = agree(assignment_digest(next.get()), problem.empty(), problem);
-      if (!why.empty()) return stop_compressing("from step " + std::to_string(call.step) + ": " + why, true);
-      LGRECO_INFO("ENGINE", "step %llu: assignment epoch %llu in effect", static_cast<unsigned long long>(call.step),
-                  static_cast<unsigned long long>(next->epoch));
-    }
-  }
+  if (controller_)
+    if (std::optional<CallOutcome> stopped = advance_schedule(call.step)) return *stopped;
 
   BucketState& b = *state_of_[call.bucket];
   if (call.new_address) {
@@ -921,7 +1067,7 @@ void Engine::collect_samples(bool wait) {
   while (!samples_.empty()) {
     Sample& s = *samples_.front();
     if (!wait && !s.ready->ready()) return;
-    s.ready->wait();
+    backend_.await(*s.ready);
     const BucketState& b = *state_of_[s.bucket];
     const size_t c = measured_candidates_.size();
     const Sample::Layout at(b.controller_of.size(), c);
@@ -977,7 +1123,8 @@ void Engine::collect_samples(bool wait) {
 void Engine::resolve_timings(bool wait) {
   while (!timings_.empty()) {
     const CallTiming& t = timings_.front();
-    if (wait) backend_.wait_mark(t.last_mark());
+    if (wait)
+      backend_.await_mark(t.last_mark());
     else if (!backend_.mark_ready(t.last_mark())) return;
     double exchange_s[CallTiming::kMaxIntervals] = {}, codec_s = 0;
     for (int i = 0; i < t.exchanges; ++i) {
@@ -998,9 +1145,40 @@ void Engine::resolve_timings(bool wait) {
   }
 }
 
-void Engine::submit_window() {
-  const uint64_t window_last = *window_end_;
+// The controller's pipeline (docs/ENGINE.md, "The host waits for nothing it just
+// queued"). With W the last step of a window and the switch at E = W + switch_lag:
+//   W + 1 (its first call):   the window's statistics and timings are summed across ranks
+//                             (queued, not read);
+//   a later call, W + 2 at the latest: the sum is read and submitted; the solve begins;
+//   E - 1:                    the assignment is staged (allocated, prepared) and the
+//                             ranks' agreement on it queued;
+//   E:                        the agreement is read; the assignment takes effect.
+// Every result is read a step after it was queued. A lag of 2 reads the sum at once at
+// W + 1, a lag of 1 the agreement too at E: there the host waits (counted as stalls).
+// What happens at which step is the same on every rank: only submitting is rank-local
+// (early where the sum is back early), and the controller hands out its result at E on
+// every rank alike.
+std::optional<CallOutcome> Engine::advance_schedule(uint64_t step) {
+  if (pending_sum_ && (step > pending_sum_->sent_at || pending_sum_->ready->ready())) submit_window_sum();
+  if (window_end_ && step > *window_end_) {
+    send_window_sum(step);
+    if (step + 1 >= controller_->schedule().effective_step(pending_sum_->window_last)) submit_window_sum();
+  }
+  if (switch_due_ && !pending_switch_ && step + 1 >= *switch_due_) stage_switch(*switch_due_);
+  if (pending_switch_ && step >= pending_switch_->step) {
+    const uint64_t at = pending_switch_->step;
+    const std::string why = complete_switch();
+    if (!why.empty()) return stop_compressing("from step " + std::to_string(at) + ": " + why, true);
+  }
+  return std::nullopt;
+}
+
+void Engine::send_window_sum(uint64_t step) {
+  auto p = std::make_unique<PendingSum>();
+  p->window_last = *window_end_;
+  p->sent_at = step;
   window_end_.reset();
+  // Work of the window's steps, queued a step ago or more.
   collect_samples(true);
   resolve_timings(true);
   // The statistics and the cost measurements, summed across ranks in one reduction. Each
@@ -1009,45 +1187,96 @@ void Engine::submit_window() {
   // encoding, and the rank that arrives last waits least, so its time is the closest to
   // what the link costs. Every rank timed the same exchanges.
   const int n = fabric_.size();
-  const size_t calls = window_.exchange_seconds.size();
-  std::span<double> local = stats_->reduction_buffer();
-  std::vector<double> all(local.begin(), local.end());
-  const size_t cost_at = all.size();
-  all.resize(cost_at + 2 + n * calls, 0.0);
-  all[cost_at] = window_.codec_seconds;
-  all[cost_at + 1] = window_.quant_elements;
-  std::copy(window_.exchange_seconds.begin(), window_.exchange_seconds.end(),
-            all.begin() + cost_at + 2 + fabric_.rank() * calls);
-  const double encoded = window_.encoded_bytes;  // the same on every rank
+  const std::span<double> local = stats_->reduction_buffer();
+  p->statistics = local.size();
+  p->exchanges = window_.exchange_seconds.size();
+  p->encoded = window_.encoded_bytes;
+  const size_t count = p->statistics + 2 + n * p->exchanges;
+  if (count * sizeof(double) > window_sum_->bytes())
+    throw std::logic_error("engine: the window's sum outgrew its buffer");
+  // Pinned: the upload reads it later, and the sum comes back to it. Rewritten only at the
+  // next window, after this sum was read.
+  auto* host = static_cast<double*>(window_sum_host_->data());
+  std::copy(local.begin(), local.end(), host);
+  double* cost = host + p->statistics;
+  std::fill(cost, cost + 2 + n * p->exchanges, 0.0);
+  cost[0] = window_.codec_seconds;
+  cost[1] = window_.quant_elements;
+  std::copy(window_.exchange_seconds.begin(), window_.exchange_seconds.end(), cost + 2 + fabric_.rank() * p->exchanges);
   window_ = WindowCost{};
-  auto* device = reinterpret_cast<double*>(scratch(kStats, all.size() * sizeof(double)));
-  backend_.upload(device, all.data(), all.size() * sizeof(double));
-  fabric_.all_reduce_sum(std::span<double>(device, all.size()));
-  backend_.read_back(all.data(), device, all.size() * sizeof(double))->wait();
-  std::copy(all.begin(), all.begin() + local.size(), local.begin());
+  auto* device = static_cast<double*>(window_sum_->data());
+  backend_.upload(device, host, count * sizeof(double));
+  fabric_.all_reduce_sum(std::span<double>(device, count));
+  p->ready = backend_.read_back(host, device, count * sizeof(double));
+  pending_sum_ = std::move(p);
+}
 
+void Engine::submit_window_sum() {
+  const std::unique_ptr<PendingSum> p = std::move(pending_sum_);
+  backend_.await(*p->ready);
+  const int n = fabric_.size();
+  const double* all = static_cast<const double*>(window_sum_host_->data());
+  const std::span<double> local = stats_->reduction_buffer();
+  std::copy(all, all + p->statistics, local.begin());
+  const double* cost = all + p->statistics;
   double exchange_s = 0;
-  for (size_t k = 0; k < calls; ++k) {
-    double least = all[cost_at + 2 + k];
-    for (int r = 1; r < n; ++r) least = std::min(least, all[cost_at + 2 + r * calls + k]);
+  for (size_t k = 0; k < p->exchanges; ++k) {
+    double least = cost[2 + k];
+    for (int r = 1; r < n; ++r) least = std::min(least, cost[2 + r * p->exchanges + k]);
     exchange_s += least;
   }
-  const double codec_s = all[cost_at], quant_elements = all[cost_at + 1];
+  const double codec_s = cost[0], quant_elements = cost[1];
   // A window without quantized layers cannot time the codec: keep the last measurement
   // (the same on every rank), or the next solve would take copy speed for codec speed.
   if (codec_s > 0 && quant_elements > 0) quant_throughput_ = quant_elements / codec_s;
   std::optional<controller::CostModel> model;
-  if (exchange_s > 0 && encoded > 0) {
+  if (exchange_s > 0 && p->encoded > 0) {
     model.emplace();
-    model->link.bandwidth = encoded / exchange_s;
+    model->link.bandwidth = p->encoded / exchange_s;
     if (quant_throughput_ > 0) model->families["quant"].throughput = quant_throughput_;
     LGRECO_INFO("ENGINE", "window ending at step %llu: exchanges moved %.4g encoded bytes/s, the codec %.4g elements/s",
-                static_cast<unsigned long long>(window_last), model->link.bandwidth, quant_throughput_);
+                static_cast<unsigned long long>(p->window_last), model->link.bandwidth, quant_throughput_);
   }
   last_window_stats_ = *stats_;
-  controller_->submit(window_last, std::move(*stats_), model);
+  controller_->submit(p->window_last, std::move(*stats_), model);
   stats_.emplace(new_window_stats());
-  switch_due_ = controller_->schedule().effective_step(window_last);
+  switch_due_ = controller_->schedule().effective_step(p->window_last);
+}
+
+// At every switch step the ranks compare what they are about to use, whether or not their
+// solve succeeded: a rank whose solve failed keeps its assignment, and must not be the one
+// rank that skips the comparison. A rank that cannot stage the new assignment says so in
+// the comparison, and every rank passes through from the switch on.
+void Engine::stage_switch(uint64_t switch_step) {
+  switch_due_.reset();
+  auto p = std::make_unique<PendingSwitch>();
+  p->step = switch_step;
+  std::shared_ptr<const controller::Assignment> next = controller_->assignment_for_step(switch_step);
+  p->epoch = next ? next->epoch : 0;
+  std::string problem;
+  if (next != assignment_) {
+    try {
+      p->staged = stage(next);
+    } catch (const std::bad_alloc&) {
+      problem = "cannot allocate the staging buffers of epoch " + std::to_string(p->epoch);
+    } catch (const std::exception& e) {
+      problem =
+          "cannot prepare the " + backend_.name() + " backend for epoch " + std::to_string(p->epoch) + ": " + e.what();
+    }
+  }
+  p->agreed = send_agreement(assignment_digest(next.get()), problem.empty(), problem);
+  pending_switch_ = std::move(p);
+}
+
+std::string Engine::complete_switch() {
+  const std::unique_ptr<PendingSwitch> p = std::move(pending_switch_);
+  backend_.await(*p->agreed);
+  std::string why = read_agreement();
+  if (!why.empty()) return why;
+  if (p->staged) apply(*p->staged);
+  LGRECO_INFO("ENGINE", "step %llu: assignment epoch %llu in effect", static_cast<unsigned long long>(p->step),
+              static_cast<unsigned long long>(p->epoch));
+  return "";
 }
 
 // ---------------------------------------------------------------------------------------

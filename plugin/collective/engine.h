@@ -20,9 +20,12 @@
 //     better for 2 ranks and for small buckets (one round of latency instead of two).
 //   auto: all-gather for at most 2 ranks or encodings up to 32 KiB, else sra.
 //
-// Everything is enqueued on the backend's and fabric's queue; the host never waits for
-// data, except at a measurement window's end (the aggregated statistics) and when
-// configurations are compared (the first compressed call and each assignment switch).
+// Everything is enqueued on the backend's and fabric's queue. The host reads results
+// back (the statistics summed across ranks, the ranks' agreement on an assignment) a
+// step after it queued them, so that it waits for nothing it just queued: with a
+// switch lag of 3 or more, no wait in the steady state finds the queue behind (only the
+// first call's comparison of configurations waits; docs/ENGINE.md, "The host waits for
+// nothing it just queued"). Backend::wait_counters() counts the waits.
 //
 // Failures: before a call's data is queued to peers, a problem that every rank sees alike
 // (different configurations, an invalid parameter on any rank, a failed allocation)
@@ -118,6 +121,9 @@ struct EngineCounters {
   // marks once the queue has passed them (a CUDA backend's lag a few calls behind).
   double exchange_seconds = 0;
   double codec_seconds = 0;
+  // The host's waits for queued work (Backend::WaitCounters), and of those the ones that
+  // found it unfinished: the host blocked there.
+  uint64_t host_waits = 0, host_stalls = 0;
 };
 
 class Engine {
@@ -166,6 +172,10 @@ class Engine {
   struct BucketState;
   struct Sample;
   struct CallTiming;
+  struct StagedBucket;
+  struct Staged;         // an assignment's plans and buffers, ready to take effect
+  struct PendingSum;     // a window's statistics on their way across ranks
+  struct PendingSwitch;  // an assignment staged, the ranks' agreement on it in flight
   // Exchanges of a window whose times are compared across ranks (later calls are not timed).
   static constexpr size_t kMaxTimedExchanges = 128;
 
@@ -175,15 +185,31 @@ class Engine {
   CallOutcome pass(std::string why);
   CallOutcome stop_compressing(std::string why, bool warn);
   // Compares the ranks' configurations and the assignment about to take effect; every
-  // rank gets the same answer. Returns "" or what differs.
+  // rank gets the same answer. Returns "" or what differs. send_agreement queues the
+  // exchange of the records, read_agreement reads them once the returned event is ready;
+  // agree does both.
   std::string agree(uint64_t assignment_digest, bool local_ok, const std::string& local_problem);
-  void switch_to(std::shared_ptr<const controller::Assignment> assignment);  // plans, buffers
+  std::unique_ptr<Event> send_agreement(uint64_t assignment_digest, bool local_ok, const std::string& local_problem);
+  std::string read_agreement() const;
+  // An assignment's plans and buffers: stage() allocates and prepares everything it
+  // needs and changes nothing in effect (throws std::bad_alloc, or what the backend's
+  // prepare_* throw); apply() puts it in effect and allocates nothing.
+  std::unique_ptr<Staged> stage(std::shared_ptr<const controller::Assignment> assignment);
+  void apply(Staged& staged);
+  void switch_to(std::shared_ptr<const controller::Assignment> assignment);  // stage and apply at once
+  // The controller's pipeline at the start of each call of `step`: sum a finished
+  // window, submit it, stage the next assignment and agree on it, switch. Returns an
+  // outcome when the ranks disagree (every rank then passes through).
+  std::optional<CallOutcome> advance_schedule(uint64_t step);
+  void send_window_sum(uint64_t step);
+  void submit_window_sum();
+  void stage_switch(uint64_t switch_step);
+  std::string complete_switch();                        // "" or why the ranks disagree
   std::unique_ptr<Sample> new_sample(uint32_t bucket);  // throws std::bad_alloc
   Sample* begin_sample(BucketState& b, const EngineCall& call);  // null: not measured
   void finish_sample();
   void collect_samples(bool wait);  // measured errors that reached the host, into stats_
   void resolve_timings(bool wait);  // marks the queue has passed, into counters and window_
-  void submit_window();
   void reduce_scatter_allgather(BucketState& b, const EngineCall& call, CallTiming& timing);
   BucketProbe::Buffers probe_buffers();
   controller::ErrorStats new_window_stats() const;  // the controller's, with the probe's sample scales
@@ -193,7 +219,8 @@ class Engine {
   void measure_magnitude(BucketState& b, const EngineCall& call, Sample& sample);
   void measure_lowrank(BucketState& b, const EngineCall& call, Sample& sample);
   void low_rank(BucketState& b, const EngineCall& call, CallTiming& timing);
-  void switch_lowrank(uint32_t bucket, std::span<const uint8_t> lowrank_layers);
+  void stage_lowrank(uint32_t bucket, std::span<const uint8_t> lowrank_layers, StagedBucket& staged);
+  uint64_t max_lowrank_q_floats(uint32_t bucket) const;
   bool lowrank_candidates_any() const {
     return std::find(lowrank_candidates_.begin(), lowrank_candidates_.end(), 1) != lowrank_candidates_.end();
   }
@@ -218,6 +245,8 @@ class Engine {
   std::unique_ptr<controller::Controller> controller_;
   std::shared_ptr<const controller::Assignment> assignment_;
   std::optional<uint64_t> switch_due_;  // a submitted window's assignment is due at this step
+  std::unique_ptr<PendingSum> pending_sum_;
+  std::unique_ptr<PendingSwitch> pending_switch_;
   uint64_t last_step_ = 0;
 
   // Statistics of the current window.
@@ -232,7 +261,9 @@ class Engine {
   } window_;
   double quant_throughput_ = 0;  // elements/s of the quantization codec, last measured
 
-  std::unique_ptr<Backend::Buffer> agreement_;
+  // The agreement's records (device, and pinned host memory they come back to), and the
+  // window statistics' sum (the same): allocated where a failure is still agreed on.
+  std::unique_ptr<Backend::Buffer> agreement_, agreement_host_, window_sum_, window_sum_host_;
   std::vector<std::unique_ptr<Backend::Buffer>> scratch_;
   EngineCounters counters_;
 };

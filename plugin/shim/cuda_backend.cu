@@ -1089,18 +1089,18 @@ void CudaBackend::prepare_probe(const Plan& plan) {
 void CudaBackend::grow_scratch(uint64_t bytes) {
   if (bytes <= scratch_bytes_) return;
   DeviceGuard guard(device_);
-  // The old scratch may still be read by enqueued statistics: it is freed after the last
-  // work event (stream-ordered), so no wait here. Freed before the new one is reserved,
-  // so that the cap counts the larger one alone.
-  if (scratch_) {
-    void* old = std::exchange(scratch_, nullptr);
-    shared_->free_device(old, std::exchange(scratch_bytes_, 0));
-  }
+  // The new scratch before the old one goes: the engine prepares an assignment a step
+  // before it takes effect, and where the larger one cannot be had the plans in effect
+  // keep theirs (so the cap counts both for a moment). The old scratch may still be read
+  // by enqueued work: it is freed stream-ordered, so no wait here.
   reserve(bytes, "device (kernels' scratch)");
-  scratch_ = device_malloc(*shared_, bytes, stream_,
-                           shared_->pools ? "cudaMallocFromPoolAsync (kernels' scratch)" : "cudaMalloc (kernels' scratch)");
-  scratch_bytes_ = bytes;
+  void* fresh =
+      device_malloc(*shared_, bytes, stream_,
+                    shared_->pools ? "cudaMallocFromPoolAsync (kernels' scratch)" : "cudaMalloc (kernels' scratch)");
   shared_->device_bytes += bytes;
+  if (scratch_) shared_->free_device(scratch_, scratch_bytes_);
+  scratch_ = fresh;
+  scratch_bytes_ = bytes;
   enqueued("allocating the kernels' scratch");
 }
 

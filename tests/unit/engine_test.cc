@@ -12,13 +12,14 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <random>
 #include <thread>
 
 #include "kernels/codec.h"
+#include "kernels/lowrank.h"
 #include "plugin/collective/cpu_backend.h"
 #include "plugin/collective/inproc_fabric.h"
-#include "kernels/lowrank.h"
 #include "tests/unit/pinned_run.h"
 #include "tests/unit/test_util.h"
 
@@ -183,6 +184,8 @@ struct Job {
   bool snapshot_residuals = false;
   // Each rank's backend; null: a CpuBackend.
   std::function<std::unique_ptr<Backend>(int rank)> backend;
+  // Called on each rank before its calls of each step.
+  std::function<void(int rank, uint64_t step, Backend& backend)> before_step;
 };
 
 std::vector<RankResult> run_job(const Job& job) {
@@ -197,6 +200,7 @@ std::vector<RankResult> run_job(const Job& job) {
       RankResult& mine = results[r];
       for (uint64_t step = 0; step < job.steps; ++step) {
         if (job.stops(r, step)) break;
+        if (job.before_step) job.before_step(r, step, *backend);
         for (uint32_t b = 0; b < job.buckets.size(); ++b) {
           const Bytes in = job.input(r, step, b);
           Bytes out(in.size(), 0xA5);  // poisoned
@@ -677,6 +681,146 @@ BOOST_AUTO_TEST_CASE(a_rank_that_fails_mid_call_fails_its_peers_at_once) {
       BOOST_TEST((outcomes[r][3].kind == CallOutcome::Kind::kError));
       BOOST_TEST(test::contains(outcomes[r][2].message, r == 1 ? "illegal memory access" : "rank 1 aborted"),
                  outcomes[r][2].message);
+    }
+}
+
+// A backend whose queue runs a step behind the host, as a GPU's may: what was queued in
+// a step is done once the host has reached the next step (the test says when), not
+// before, so a wait for a read-back or a mark of the current step is a stall. The CPU
+// does the work at once, so the bytes are right either way. From a given step it can also
+// refuse to prepare for a plan, as a backend without the kernels or the memory would.
+class LaggingBackend final : public ForwardingBackend {
+ public:
+  uint64_t step = 0;  // the host's step (before_step)
+  uint64_t refuse_prepare_from = UINT64_MAX;
+  std::string name() const override { return "lagging"; }
+  std::unique_ptr<Event> read_back(void* d, const void* s, uint64_t n) override {
+    cpu_.read_back(d, s, n)->wait();
+    return std::make_unique<StepEvent>(*this, step);
+  }
+  void prepare_encode(const Plan& plan) override {
+    if (step >= refuse_prepare_from) throw std::runtime_error("no room for this plan's kernels");
+    cpu_.prepare_encode(plan);
+  }
+  uint64_t mark() override {
+    const uint64_t m = cpu_.mark();
+    marked_at_[m] = step;
+    return m;
+  }
+  bool mark_ready(uint64_t m) override { return marked_at_.at(m) < step; }
+  void release_mark(uint64_t m) override {
+    marked_at_.erase(m);
+    cpu_.release_mark(m);
+  }
+
+ private:
+  class StepEvent final : public Event {
+   public:
+    StepEvent(const LaggingBackend& backend, uint64_t queued_at) : backend_(backend), queued_at_(queued_at) {}
+    bool ready() override { return queued_at_ < backend_.step; }
+    void wait() override {}
+
+   private:
+    const LaggingBackend& backend_;
+    uint64_t queued_at_;
+  };
+  std::map<uint64_t, uint64_t> marked_at_;
+};
+
+// Adaptive, 3 ranks, sra with the error probe: windows end at steps 1, 7, 13 (warm-up 2,
+// period 6, window 2) and their assignments take effect `lag` steps later.
+Job lagging_job(uint64_t lag, uint64_t seed) {
+  std::vector<CodecSpec> candidates;
+  for (int bits = 2; bits <= 8; ++bits) candidates.push_back(quant(bits));
+  BucketLayout bucket;
+  const std::vector<uint64_t> sizes = {30000, 50000, 20000, 4096};
+  for (size_t l = 0; l < sizes.size(); ++l) {
+    bucket.layers.push_back({"layer" + std::to_string(l), bucket.count, sizes[l], candidates, 2});
+    bucket.count += sizes[l];
+  }
+  Job job;
+  job.ranks = 3;
+  job.buckets = {bucket, fixed_layout({7000, 9000}, {quant(4), quant(4)}, DType::kFloat32)};
+  job.buckets[1].layers[0].candidates = candidates;
+  job.options = [lag, candidates](int) {
+    EngineOptions o = adaptive_options(candidates, "lagging");
+    o.algorithm = Algorithm::kScatterReduceAllGather;
+    o.controller.schedule = {2, 6, 2, lag};
+    return o;
+  };
+  job.input = [seed, bucket](int r, uint64_t step, uint32_t b) {
+    std::mt19937_64 rng(seed ^ (uint64_t(r) << 40) ^ (step << 8) ^ b);
+    std::vector<float> x = test::draw(test::Dist::kNormal, b == 0 ? bucket.count : 16000, rng);
+    for (size_t i = 0; i < x.size(); ++i) x[i] *= b == 1 || i < 30000 ? 100.0f : i < 80000 ? 0.01f : 1.0f;
+    return to_dtype(x, DType::kFloat32);
+  };
+  job.steps = 18;
+  return job;
+}
+
+// Issue "ready for the first GPU run", finding 3: the statistics' sum is read a step after
+// it was queued, the agreement on an assignment is queued a step before it takes effect.
+// With a lag of 3 or more the only stall is the first call's comparison of configurations;
+// a lag of 2 waits for the sum at each switch, a lag of 1 for the agreement too. The
+// results are those of a backend that is never behind.
+BOOST_AUTO_TEST_CASE(the_host_waits_for_nothing_it_just_queued) {
+  const uint64_t seed = test::run_seed();
+  for (uint64_t lag : {1, 2, 3, 4}) {
+    BOOST_TEST_CONTEXT("switch lag " << lag << " seed " << seed) {
+      Job job = lagging_job(lag, seed);
+      const auto prompt = run_job(job);  // CpuBackend: every wait finds the work done
+      job.before_step = [](int, uint64_t step, Backend& b) { static_cast<LaggingBackend&>(b).step = step; };
+      job.backend = [](int) { return std::make_unique<LaggingBackend>(); };
+      const auto lagging = run_job(job);
+      const uint64_t switches = 3;  // at 1 + lag, 7 + lag, 13 + lag (all < 18)
+      const uint64_t per_switch = lag == 1 ? 2 : lag == 2 ? 1 : 0;
+      for (int r = 0; r < job.ranks; ++r) BOOST_TEST_CONTEXT("rank " << r) {
+          for (const CallOutcome& o : lagging[r].outcomes) BOOST_TEST((o.kind == CallOutcome::Kind::kDone), o.message);
+          BOOST_TEST(lagging[r].outputs == prompt[r].outputs);
+          BOOST_TEST(lagging[r].outputs == lagging[0].outputs);
+          BOOST_TEST(lagging[r].codecs == prompt[r].codecs);
+          BOOST_TEST(lagging[r].epoch == switches);
+          BOOST_TEST(prompt[r].counters.host_stalls == 0u);
+          BOOST_TEST(lagging[r].counters.host_stalls == 1 + switches * per_switch);
+          // Every window's samples and timings, every sum and agreement were waited for.
+          BOOST_TEST(lagging[r].counters.host_waits > 3 * switches);
+        }
+      BOOST_TEST(lagging[0].codecs != std::vector<std::string>(4, quant(4).str()));
+    }
+  }
+}
+
+// Staged a step ahead, an assignment that one rank cannot prepare for still makes every
+// rank pass through together, from the step it was due at; the step before it runs the
+// assignment in effect on every rank.
+BOOST_AUTO_TEST_CASE(an_assignment_one_rank_cannot_stage_passes_through_on_every_rank) {
+  const uint64_t seed = test::run_seed();
+  Job job = lagging_job(3, seed);
+  job.steps = 8;
+  job.before_step = [](int, uint64_t step, Backend& b) { static_cast<LaggingBackend&>(b).step = step; };
+  job.backend = [](int r) {
+    auto b = std::make_unique<LaggingBackend>();
+    if (r == 1) b->refuse_prepare_from = 3;  // the first switch is staged at step 3, due at 4
+    return b;
+  };
+  const auto results = run_job(job);
+  for (int r = 0; r < job.ranks; ++r) BOOST_TEST_CONTEXT("rank " << r) {
+      BOOST_TEST_REQUIRE(results[r].outcomes.size() == 16u);
+      for (size_t c = 0; c < results[r].outcomes.size(); ++c) {
+        const CallOutcome& o = results[r].outcomes[c];
+        if (c < 8) {
+          BOOST_TEST((o.kind == CallOutcome::Kind::kDone), o.message);
+          BOOST_TEST((results[r].outputs[c] == results[0].outputs[c]));
+        } else {
+          BOOST_TEST((o.kind == CallOutcome::Kind::kPassThrough), o.message);
+          BOOST_TEST(test::contains(o.message,
+                                    "from step 4: an invalid configuration or a local failure (that rank's "
+                                    "WARN says which) on rank(s) 1"),
+                     o.message);
+        }
+      }
+      BOOST_TEST(results[r].epoch == 0u);
+      BOOST_TEST(results[r].counters.errors == 0u);
     }
 }
 
@@ -1447,12 +1591,10 @@ class StrictBackend final : public ForwardingBackend {
   std::string name() const override { return "strict"; }
 
   void prepare_measure(const Plan& plan, std::span<const CodecSpec> candidates) override {
-    measure_plans_.push_back({&plan, plan.total_bytes, plan.segments.size()});
+    measure_plans_.push_back(seen_as(plan));
     prepared_candidates_.assign(candidates.begin(), candidates.end());
   }
-  void prepare_encode(const Plan& plan) override {
-    encode_plans_.push_back({&plan, plan.total_bytes, plan.segments.size()});
-  }
+  void prepare_encode(const Plan& plan) override { encode_plans_.push_back(seen_as(plan)); }
   void prepare_lowrank(std::span<const LowRankLayer> layers, std::span<const LowRankLayer> measured,
                        uint32_t max_measured_rank, DType dtype, bool residual) override {
     if (fail_prepare_lowrank) throw std::runtime_error("lgreco: PowerSGD needs cuBLAS: libcublas.so.13: not found");
@@ -1500,15 +1642,16 @@ class StrictBackend final : public ForwardingBackend {
   }
 
  private:
-  struct PlanSeen {
-    const Plan* plan;
-    uint64_t bytes;
-    size_t segments;
-  };
+  // A plan by its content (the engine prepares a staged copy, then moves it into effect).
+  using PlanSeen = std::string;
+  static PlanSeen seen_as(const Plan& p) {
+    std::string text = std::to_string(p.total_bytes) + ":";
+    for (const Segment& s : p.segments)
+      text += std::to_string(s.offset) + "+" + std::to_string(s.count) + "@" + p.codecs[s.codec].str() + ",";
+    return text;
+  }
   static bool prepared(const std::vector<PlanSeen>& seen, const Plan& p) {
-    return std::any_of(seen.begin(), seen.end(), [&](const PlanSeen& x) {
-      return x.plan == &p && x.bytes == p.total_bytes && x.segments == p.segments.size();
-    });
+    return std::find(seen.begin(), seen.end(), seen_as(p)) != seen.end();
   }
   static bool has_layer(const std::vector<LowRankLayer>& list, const LowRankLayer& x, bool same_rank) {
     return std::any_of(list.begin(), list.end(), [&](const LowRankLayer& y) {
