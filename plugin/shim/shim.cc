@@ -97,6 +97,8 @@ CommCounters& CommCounters::operator+=(const CommCounters& other) {
   errors += other.errors;
   gradient_bytes += other.gradient_bytes;
   bytes_sent += other.bytes_sent;
+  host_waits += other.host_waits;
+  host_stalls += other.host_stalls;
   for (const auto& [reason, n] : other.pass_reasons) pass_reasons[reason] += n;
   return *this;
 }
@@ -105,13 +107,15 @@ std::string summary_line(int rank, int size, const CommCounters& c) {
   const uint64_t ring = size > 1 ? c.gradient_bytes / size * 2 * (size - 1) +
                                        c.gradient_bytes % size * 2 * (size - 1) / size
                                  : 0;
-  char line[512];
+  char line[640];
   snprintf(line, sizeof line,
            "lgreco shim: rank %d/%d: %llu allreduce calls, %llu compressed, %llu passed through; compressed calls: "
-           "%llu gradient bytes, %llu bytes sent by this rank (plain ring allreduce: %llu)",
+           "%llu gradient bytes, %llu bytes sent by this rank (plain ring allreduce: %llu); host waits for the "
+           "device: %llu, %llu of them stalled",
            rank, size, static_cast<unsigned long long>(c.calls), static_cast<unsigned long long>(c.compressed),
            static_cast<unsigned long long>(c.passed_through), static_cast<unsigned long long>(c.gradient_bytes),
-           static_cast<unsigned long long>(c.bytes_sent), static_cast<unsigned long long>(ring));
+           static_cast<unsigned long long>(c.bytes_sent), static_cast<unsigned long long>(ring),
+           static_cast<unsigned long long>(c.host_waits), static_cast<unsigned long long>(c.host_stalls));
   return line;
 }
 
@@ -517,6 +521,11 @@ nccl::Result Shim::dispatch_on(CommState& s, const Call& call) {
   ec.new_address = m.new_address;
   const uint64_t sent_before = s.engine->counters().wire_bytes_sent;
   const CallOutcome outcome = s.engine->allreduce(ec);
+  {
+    std::lock_guard<std::mutex> lock(s.counters_mutex);
+    s.counters.host_waits = s.engine->counters().host_waits;
+    s.counters.host_stalls = s.engine->counters().host_stalls;
+  }
   switch (outcome.kind) {
     case CallOutcome::Kind::kDone: {
       std::lock_guard<std::mutex> lock(s.counters_mutex);

@@ -90,6 +90,9 @@ struct CommCounters {
   uint64_t errors = 0;          // calls that failed on the compressed path
   uint64_t gradient_bytes = 0;  // count x element size of the compressed calls
   uint64_t bytes_sent = 0;      // what this rank sent to peers for them
+  // The host's waits for the device inside the engine, and those that found it behind
+  // (collective::EngineCounters): one at the first compressed call, none after it.
+  uint64_t host_waits = 0, host_stalls = 0;
   std::map<std::string, uint64_t, std::less<>> pass_reasons;  // why calls passed through, counted
 
   CommCounters& operator+=(const CommCounters& other);

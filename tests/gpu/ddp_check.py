@@ -28,10 +28,12 @@ Run by tests/gpu/run.sh shim on the GPU machine. Steps:
     runs: test accuracy within 1.5 points of plain's, final training loss within 20% of
     plain's, and the shim's per-communicator line in the logs,
       lgreco shim: rank R/N: A allreduce calls, C compressed, P passed through;
-      compressed calls: U gradient bytes, W bytes sent by this rank (plain ring allreduce: S)
+      compressed calls: U gradient bytes, W bytes sent by this rank (plain ring allreduce: S);
+      host waits for the device: H, K of them stalled
     with C > 0 (bytes ratio = sum of S / sum of W over ranks). Adaptive and families:
     rank 0's decision log holds at least one assignment epoch (docs/CONTROLLER.md), the
-    same on every rank.
+    same on every rank. The host's stalls (K) are reported, not judged: one per
+    communicator (its first compressed call) is the expected figure.
 
 Prints `RESULT: NAME PASS|FAIL|SKIP detail` per run, then the table (also written to
 --table); exit 1 if any run failed. --device cpu runs the same on the CPU with gloo (no
@@ -53,7 +55,8 @@ TRAIN = os.path.join(HERE, "ddp_train.py")
 
 SHIM_LINE = re.compile(
     r"lgreco shim: rank (\d+)/(\d+): (\d+) allreduce calls, (\d+) compressed, (\d+) passed through; "
-    r"compressed calls: (\d+) gradient bytes, (\d+) bytes sent by this rank \(plain ring allreduce: (\d+)\)")
+    r"compressed calls: (\d+) gradient bytes, (\d+) bytes sent by this rank \(plain ring allreduce: (\d+)\)"
+    r"(?:; host waits for the device: (\d+), (\d+) of them stalled)?")
 
 ACCURACY_POINTS = 1.5
 LOSS_RELATIVE = 0.20
@@ -135,8 +138,10 @@ def shim_lines(paths):
         except OSError:
             continue
         for m in SHIM_LINE.finditer(text):
-            r, n, a, c, p, u, w, s = (int(x) for x in m.groups())
-            found.append(dict(rank=r, size=n, calls=a, compressed=c, passed=p, gradient_bytes=u, sent=w, plain=s))
+            r, n, a, c, p, u, w, s = (int(x) for x in m.groups()[:8])
+            waits, stalls = (int(x) if x is not None else -1 for x in m.groups()[8:])
+            found.append(dict(rank=r, size=n, calls=a, compressed=c, passed=p, gradient_bytes=u, sent=w, plain=s,
+                              waits=waits, stalls=stalls))
     return found
 
 
@@ -308,6 +313,12 @@ def check_run(args, name, run, ranks, codes, base):
                    (compressed, sum(l["calls"] for l in lines), "%.2fx" % (plain / sent) if sent else "no"))
         if compressed == 0:
             problems.append("no call was compressed")
+        # A figure, not a verdict: the first compressed call of each communicator waits
+        # for the configurations' comparison; after it, a stall means the host waited for
+        # work it had just queued (docs/ENGINE.md, "The host waits for nothing it just queued").
+        if all(l["stalls"] >= 0 for l in lines):
+            why.append("host stalls %d in %d waits (expected: %d, one per communicator)" %
+                       (sum(l["stalls"] for l in lines), sum(l["waits"] for l in lines), len(lines)))
         if {l["rank"] for l in lines} != set(range(ranks)):
             problems.append("shim lines from ranks %s only" % sorted({l["rank"] for l in lines}))
     if run in ("adaptive", "families"):
