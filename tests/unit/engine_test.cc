@@ -727,17 +727,29 @@ class LaggingBackend final : public ForwardingBackend {
   std::map<uint64_t, uint64_t> marked_at_;
 };
 
-// Adaptive, 3 ranks, sra with the error probe: windows end at steps 1, 7, 13 (warm-up 2,
-// period 6, window 2) and their assignments take effect `lag` steps later.
-Job lagging_job(uint64_t lag, uint64_t seed) {
+// Quantization at 2..8 bits: the candidates of the adaptive jobs below.
+std::vector<CodecSpec> quant_bit_candidates() {
   std::vector<CodecSpec> candidates;
   for (int bits = 2; bits <= 8; ++bits) candidates.push_back(quant(bits));
+  return candidates;
+}
+
+// Four layers of 30000, 50000, 20000 and 4096 values with these candidates.
+BucketLayout four_layer_bucket(const std::vector<CodecSpec>& candidates) {
   BucketLayout bucket;
   const std::vector<uint64_t> sizes = {30000, 50000, 20000, 4096};
   for (size_t l = 0; l < sizes.size(); ++l) {
     bucket.layers.push_back({"layer" + std::to_string(l), bucket.count, sizes[l], candidates, 2});
     bucket.count += sizes[l];
   }
+  return bucket;
+}
+
+// Adaptive, 3 ranks, sra with the error probe: windows end at steps 1, 7, 13 (warm-up 2,
+// period 6, window 2) and their assignments take effect `lag` steps later.
+Job lagging_job(uint64_t lag, uint64_t seed) {
+  const std::vector<CodecSpec> candidates = quant_bit_candidates();
+  const BucketLayout bucket = four_layer_bucket(candidates);
   Job job;
   job.ranks = 3;
   job.buckets = {bucket, fixed_layout({7000, 9000}, {quant(4), quant(4)}, DType::kFloat32)};
@@ -1164,14 +1176,8 @@ BOOST_AUTO_TEST_CASE(the_realized_error_stays_within_budget_over_epochs) {
 // The controller switches every rank to the same assignment at the same step.
 BOOST_AUTO_TEST_CASE(adaptive_switches_are_the_same_on_every_rank) {
   const uint64_t seed = test::run_seed();
-  std::vector<CodecSpec> candidates;
-  for (int bits = 2; bits <= 8; ++bits) candidates.push_back(quant(bits));
-  BucketLayout bucket;
-  const std::vector<uint64_t> sizes = {30000, 50000, 20000, 4096};
-  for (size_t l = 0; l < sizes.size(); ++l) {
-    bucket.layers.push_back({"layer" + std::to_string(l), bucket.count, sizes[l], candidates, 2});
-    bucket.count += sizes[l];
-  }
+  const std::vector<CodecSpec> candidates = quant_bit_candidates();
+  const BucketLayout bucket = four_layer_bucket(candidates);
   Job job;
   job.ranks = 4;
   job.buckets = {bucket};
