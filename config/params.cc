@@ -223,8 +223,11 @@ const ParamInfo kParamTable[] = {
     {"LGRECO_PERIOD", "100", "a whole number >= 1", "Steps between re-solves.", U64(period, 1, kMaxSteps)},
     {"LGRECO_WINDOW", "10", "a whole number >= 1, at most the period",
      "Steps whose errors are measured before each solve.", U64(window, 1, kMaxSteps)},
-    {"LGRECO_SWITCH_LAG", "3", "a whole number >= 1; window + lag <= period + 1",
-     "Steps between the end of a window and the switch to its solution, on every rank.",
+    {"LGRECO_SWITCH_LAG", "4", "a whole number >= 1; window + lag <= period + 1",
+     "Steps between the end of a window and the switch to its solution, on every rank. The window's sums are "
+     "read a step after they are sent and the solution is agreed on a step before the switch, so the solver "
+     "has at least lag - 3 whole steps (docs/ENGINE.md); a solve not done by the step before the switch is "
+     "waited for there (one WARN).",
      U64(switch_lag, 1, kMaxSteps)},
     {"LGRECO_PROBE_LEAD", "10", "a whole number from 0 to 100000",
      "Steps before each measurement window in which the error probe already runs, so that every candidate's "
@@ -276,8 +279,9 @@ const ParamInfo kParamTable[] = {
      "The socket fabric (`lgreco-bench --fabric socket`): the port of rank 0's rendezvous on MASTER_ADDR. Unset: "
      "MASTER_PORT, or MASTER_PORT + 1 under torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE=True), which "
      "holds MASTER_PORT.",
-     [](Params& p, const std::string& v) { return v.empty() ? (p.rendezvous_port = 0, std::string())
-                                                            : parse_unsigned(v, 1, 65535, &p.rendezvous_port); }},
+     [](Params& p, const std::string& v) {
+       return v.empty() ? (p.rendezvous_port = 0, std::string()) : parse_unsigned(v, 1, 65535, &p.rendezvous_port);
+     }},
     {"LGRECO_NET", "auto", "`auto`, `socket`, `off`",
      "The net plugin (`NCCL_NET_PLUGIN=lgreco`): which transport NCCL gets from lgreco. `socket`: lgreco's TCP "
      "transport (several sockets and helper threads per connection, per-peer telemetry). `auto`: the same, but only "
@@ -287,7 +291,8 @@ const ParamInfo kParamTable[] = {
        return parse_choice(v, {std::pair{"auto", std::string("auto")}, {"socket", std::string("socket")},
                                {"off", std::string("off")}}, &p.net);
      }},
-    {"LGRECO_SOCKET_IFNAME", "", "interface names in `NCCL_SOCKET_IFNAME`'s syntax: prefixes separated by `,`; a "
+    {"LGRECO_SOCKET_IFNAME", "",
+     "interface names in `NCCL_SOCKET_IFNAME`'s syntax: prefixes separated by `,`; a "
      "leading `^` excludes them, a leading `=` asks for exact names",
      "The net plugin: which network interfaces become NCCL devices. Unset: as NCCL chooses (interfaces named `ib*` "
      "first, else every interface except `docker*`, `lo` and `virbr*`, else `lo`).",
@@ -327,7 +332,8 @@ const ParamInfo kParamTable[] = {
        return log::parse_level(v.c_str(), &p.debug_level) ? std::string() : std::string("not a level");
      }},
     {"LGRECO_DEBUG_FILE", "", "a path; `%h` host, `%p` pid, `%%` a percent sign",
-     "Where log lines go, appended (LD_PRELOAD reaches every child process: use `%p` for one file per process). Unset: stderr.",
+     "Where log lines go, appended (LD_PRELOAD reaches every child process: use `%p` for one file per process). Unset: "
+     "stderr.",
      [](Params& p, const std::string& v) { return apply_pattern(v, "hp", &p.debug_file); }},
     {"LGRECO_DEBUG_SUBSYS", "ALL",
      "`ALL`, or a comma-separated list of `INIT`, `CONFIG`, `CTRL`, `CODEC`, `ENGINE`, `SHIM`, `NET`; a leading "

@@ -48,7 +48,7 @@ struct Params {
   double alpha = 1.0;
   std::string objective = "size";      // size | time
   std::string error_metric = "normalized";  // normalized | squared | l2 (controller/stats.h)
-  uint64_t warmup = 100, period = 100, window = 10, switch_lag = 3;
+  uint64_t warmup = 100, period = 100, window = 10, switch_lag = 4;
   double solver_tolerance = 1e-3;
   uint64_t probe_lead = 10;
   double probe_fraction = 0.0625;

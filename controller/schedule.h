@@ -6,8 +6,8 @@
 // from it takes effect at step (B_k - 1) + switch_lag on every rank. Before the first
 // switch every layer runs its default codec.
 //
-//   warmup=100 period=100 window=10 switch_lag=3:
-//   measure 90..99 -> solve -> switch at 102; measure 190..199 -> switch at 202; ...
+//   warmup=100 period=100 window=10 switch_lag=4:
+//   measure 90..99 -> solve -> switch at 103; measure 190..199 -> switch at 203; ...
 //
 // The engine's error probe (plugin/collective/probe.h) runs during each window and the
 // `probe_lead` steps before it (80..99, 180..199, ... with a lead of 10): its shadow
@@ -30,7 +30,7 @@ struct ScheduleSettings {
   uint64_t warmup = 100;
   uint64_t period = 100;
   uint64_t window = 10;
-  uint64_t switch_lag = 3;
+  uint64_t switch_lag = 4;
   uint64_t probe_lead = 10;
 };
 

@@ -16,7 +16,7 @@ Run by tests/gpu/run.sh shim on the GPU machine. Steps:
       plain     no LD_PRELOAD: the reference
       uniform   LD_PRELOAD, LGRECO_MODE=uniform LGRECO_CODEC=quant:bits=4
       adaptive  LD_PRELOAD, LGRECO_MODE=adaptive with a short schedule
-                (LGRECO_WARMUP=20 LGRECO_PERIOD=50 LGRECO_WINDOW=5 LGRECO_SWITCH_LAG=3:
+                (LGRECO_WARMUP=20 LGRECO_PERIOD=50 LGRECO_WINDOW=5 LGRECO_SWITCH_LAG=4:
                 assignment epochs from step ~25, every 50 steps) and LGRECO_DECISION_LOG
       families  (the first world size only) as adaptive, with LGRECO_CANDIDATES naming
                 quantization, TopK and PowerSGD: the CUDA backend's TopK and PowerSGD
@@ -60,7 +60,7 @@ SHIM_LINE = re.compile(
 
 ACCURACY_POINTS = 1.5
 LOSS_RELATIVE = 0.20
-SCHEDULE = {"LGRECO_WARMUP": "20", "LGRECO_PERIOD": "50", "LGRECO_WINDOW": "5", "LGRECO_SWITCH_LAG": "3"}
+SCHEDULE = {"LGRECO_WARMUP": "20", "LGRECO_PERIOD": "50", "LGRECO_WINDOW": "5", "LGRECO_SWITCH_LAG": "4"}
 # Candidates of all three families around the default quant:bits=4.
 FAMILIES = ";".join(["quant:bits=%d" % b for b in (2, 3, 4, 5, 6, 8)] +
                     ["topk:density=%s" % d for d in ("0.01", "0.05", "0.2")] +

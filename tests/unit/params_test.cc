@@ -79,7 +79,7 @@ BOOST_AUTO_TEST_CASE(defaults_are_the_table_defaults) {
   BOOST_TEST_REQUIRE(p.candidates.size() == 7u);  // 2..8 bits
   for (int i = 0; i < 7; ++i) BOOST_TEST(p.candidates[i].quant_params().bits == i + 2);
   BOOST_TEST(p.alpha == 1.0);
-  BOOST_TEST((p.warmup == 100u && p.period == 100u && p.window == 10u && p.switch_lag == 3u));
+  BOOST_TEST((p.warmup == 100u && p.period == 100u && p.window == 10u && p.switch_lag == 4u));
   BOOST_TEST((p.min_bytes == 262144u && p.segment_bytes == 1048576u));
   BOOST_TEST((p.debug_level == log::Level::kWarn));
 }
@@ -210,7 +210,8 @@ BOOST_AUTO_TEST_CASE(review_regressions) {
   window.env("LGRECO_WINDOW", "500");
   const config::Params w = window.load();
   BOOST_TEST_REQUIRE(w.errors.size() == 1u);
-  BOOST_TEST(contains(w.errors[0], "LGRECO_WINDOW=500, LGRECO_SWITCH_LAG=3: window 500: must be between 1"), w.errors[0]);
+  BOOST_TEST(contains(w.errors[0], "LGRECO_WINDOW=500, LGRECO_SWITCH_LAG=4: window 500: must be between 1"),
+             w.errors[0]);
   BOOST_TEST((w.effective_mode() == config::Mode::kOff));
   // An empty environment value is unset: the file's value applies. So does an empty line.
   FakeSources empty;
@@ -357,7 +358,8 @@ BOOST_AUTO_TEST_CASE(lgreco_config_show_prints_values_origins_and_problems) {
   const auto bad = test::run_command("env -i LGRECO_CONF_FILE=" + conf + " LGRECO_MODE=fast " + tool + " show");
   BOOST_TEST(bad.exit_code == 1, bad.output);
   BOOST_TEST(contains(bad.output, "error: LGRECO_MODE=fast (environment): not one of the accepted values"), bad.output);
-  BOOST_TEST(contains(bad.output, "LGRECO_SWITCH_LAG=3: window 200: must be between 1 and the period (100)"), bad.output);
+  BOOST_TEST(contains(bad.output, "LGRECO_SWITCH_LAG=4: window 200: must be between 1 and the period (100)"),
+             bad.output);
   BOOST_TEST(contains(bad.output, "runs with compression off"), bad.output);
 
   const auto reg = test::run_command("env -i LGRECO_REGISTRATION=" + dir.file("none.json") + " " + tool + " show");

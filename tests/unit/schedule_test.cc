@@ -42,7 +42,7 @@ BOOST_AUTO_TEST_CASE(defaults_measure_the_last_ten_steps_of_each_period) {
     for (uint64_t k = 0; k < 10; ++k) expected.push_back(start + k);
   BOOST_TEST(measured == expected);
   BOOST_TEST(ends == std::vector<uint64_t>({99, 199, 299}));
-  BOOST_TEST(s.effective_step(99) == 102u);
+  BOOST_TEST(s.effective_step(99) == 103u);
 }
 
 BOOST_AUTO_TEST_CASE(random_settings_keep_every_rule) {
