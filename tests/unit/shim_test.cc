@@ -119,6 +119,16 @@ std::vector<float> gradient(uint64_t seed, int rank, int buffer, int step, size_
   return v;
 }
 
+// Relative L2 bounds for base_env()'s 8-bit stochastic quantization with error feedback.
+// One quantization of Gaussian data (unit = range/255, range about 8 sigma) has an rms
+// relative error of about 0.0104 per rank; the residual carried into the next step adds
+// as much again, so allgather's output sits near 0.0147. sra quantizes twice (each
+// rank's partitions, then the owner's sum, each with its own residual): about 0.02
+// expected, and a loop's worst step measured 0.0187-0.0200 over 15 seeds. A wrong
+// output (a rank's contribution missing or stale) is off by more than 0.5.
+constexpr double kOneQuantizationBound = 0.02;
+constexpr double kTwoQuantizationsBound = 0.03;
+
 double relative_error(const std::vector<float>& got, const std::vector<double>& want) {
   double err = 0, norm = 0;
   for (size_t i = 0; i < got.size(); ++i) {
@@ -214,8 +224,8 @@ BOOST_AUTO_TEST_CASE(recurring_buffers_are_compressed_bit_identically_across_ran
     Loop loop(4, 24, {6000, 50000, 1536});
     loop.run(job, seed);
     BOOST_TEST(job.fake.violation() == "");
-    // 8-bit stochastic quantization, quantized twice (sra): well under 2% relative error.
-    const double worst = check_loop(loop, seed, 0.02);
+    // The 50000-value buffer goes sra: quantized twice.
+    const double worst = check_loop(loop, seed, kTwoQuantizationsBound);
     BOOST_TEST(worst > 0.0);  // something was compressed, hence not exact
     for (int r = 0; r < 4; ++r) {
       const shim::CommCounters c = *job.shims[r]->counters(job.fake.comm(r));
@@ -382,7 +392,7 @@ BOOST_AUTO_TEST_CASE(a_lone_allreduce_in_a_group_is_compressed_at_the_group_end)
     loop.op = nccl::kAvg;
     loop.run(job, seed);
     BOOST_TEST(job.fake.violation() == "");
-    check_loop(loop, seed, 0.02);
+    check_loop(loop, seed, kOneQuantizationBound);
     for (int r = 0; r < 3; ++r) BOOST_TEST(job.shims[r]->counters(job.fake.comm(r))->compressed > 0u);
   }
 }
@@ -484,7 +494,7 @@ BOOST_AUTO_TEST_CASE(what_one_rank_alone_sees_never_makes_it_pass_through_alone)
       Loop loop(3, 45, {6000});
       loop.run(job, seed + 1);
       BOOST_TEST(job.fake.violation() == "");
-      check_loop(loop, seed + 1, 0.02);
+      check_loop(loop, seed + 1, kOneQuantizationBound);
       const auto c1 = *job.shims[1]->counters(job.fake.comm(1));
       BOOST_TEST(c1.compressed > 0u, pass_reasons_text(c1));
       BOOST_TEST(c1.pass_reasons.count("the communicator has a non-blocking operation in progress") == 0u);
@@ -599,7 +609,7 @@ BOOST_AUTO_TEST_CASE(a_failed_exchange_returns_an_error_on_every_rank_never_hang
     for (size_t b = 0; b < 2; ++b)
       for (int r = 0; r < 3; ++r)
         if (loop.results[s][b][r] == nccl::kSuccess)
-          BOOST_TEST(relative_error(loop.outputs[s][b][r], loop.exact(seed, s, b)) <= 0.02);
+          BOOST_TEST(relative_error(loop.outputs[s][b][r], loop.exact(seed, s, b)) <= kTwoQuantizationsBound);
 }
 
 // A fabric error in the middle of lgreco's own group (issue 21, finding 4): NCCL 2.28.9
@@ -634,7 +644,8 @@ BOOST_AUTO_TEST_CASE(a_failed_enqueue_inside_lgrecos_group_launches_nothing_and_
   }
   BOOST_TEST(contains(job.shims[1]->last_error(job.fake.comm(1)), "failed on rank 1"));
   for (int s = 0; s < first_failure; ++s)
-    for (int r = 0; r < 3; ++r) BOOST_TEST(relative_error(loop.outputs[s][0][r], loop.exact(seed, s, 0)) <= 0.02);
+    for (int r = 0; r < 3; ++r)
+      BOOST_TEST(relative_error(loop.outputs[s][0][r], loop.exact(seed, s, 0)) <= kTwoQuantizationsBound);
 }
 
 BOOST_AUTO_TEST_CASE(non_blocking_communicators_settle_before_the_next_operation) {
@@ -644,7 +655,7 @@ BOOST_AUTO_TEST_CASE(non_blocking_communicators_settle_before_the_next_operation
   Loop loop(2, 45, {6000});
   loop.run(job, seed);
   BOOST_TEST(job.fake.violation() == "");
-  check_loop(loop, seed, 0.02);
+  check_loop(loop, seed, kOneQuantizationBound);
   BOOST_TEST(job.shims[0]->counters(job.fake.comm(0))->compressed > 0u,
              pass_reasons_text(*job.shims[0]->counters(job.fake.comm(0))));
 }
