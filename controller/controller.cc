@@ -251,7 +251,7 @@ WindowReading Controller::read_window(const ErrorStats& stats) const {
     if (stats.samples(l) == 0 || weight[l] == 0) continue;
     const double w = weight[l];
     const double default_now = stats.mean(l, layers_[l].default_index);
-    r.realized += w * stats.realized_mean(l, in_effect_[l]);
+    r.realized += w * realized_of(stats, l);
     defaults += w * default_now;
     // What the solve that chose the assignment in effect predicted for it (the defaults'
     // estimate in this window before the first solve).
@@ -366,11 +366,17 @@ std::vector<double> Controller::drift_of(const ErrorStats& stats, uint64_t windo
 //    held to the shadow as a floor, before, predicted the demo's TopK layers 1.2-1.3x
 //    what they made, and the unit test's moves to denser TopK 5x; held to the shadow as
 //    a ceiling, the first TopK epoch realized 1.5x its budget.)
+//  - PowerSGD accumulates too (what its basis misses stays in the residual): the same
+//    curve, through its error on the gradient alone and its shadow's (transient_of),
+//    where the low-rank probe ran; without it, its one-step estimate as it is.
 // For the codec in effect, settled, now = steady and nothing changes.
 // The mean over the `count` steps from `first` after the switch (0: the switch step).
 double Controller::mean_error(const Transient& x, uint64_t first, uint64_t count) {
   const double a = static_cast<double>(first), n = static_cast<double>(std::max<uint64_t>(count, 1));
-  if (codec_family(x.codec) == "topk" && x.now > 0 && x.fresh > 0) {
+  const std::string_view family = codec_family(x.codec);
+  // PowerSGD only where its shadows measured the curve (x.age): without the low-rank
+  // probe its estimate is one step's, held as it is.
+  if ((family == "topk" || (family == "powersgd" && x.age > 0)) && x.now > 0 && x.fresh > 0) {
     const TopkGrowth growth(x.fresh, x.steady, x.age);
     if (x.ageing == 0 && x.now > x.steady && growth.rate < 1)
       // From a state older than its own (a sparser codec's): the excess drains at the
@@ -426,7 +432,36 @@ Controller::Transient Controller::transient_of(const Job& job, size_t layer, uin
       x.correlation = topk_correlation(stats, layer);
     }
   }
+  // PowerSGD accumulates as TopK does (what the rank-r basis misses stays in the
+  // residual), and its shadows (lowrank_probe.h) give the same two measurements: the
+  // curve, in independent units, and the ranks' correlation. The probe does not measure a
+  // low-rank candidate on the real state; the state's error is read from what the codec in
+  // effect realized, where that codec also holds values back (a low-rank or TopK
+  // residual), and a quantizer's residual is taken as none (it is one unit of its width):
+  // the candidate starts fresh.
+  if (codec_family(x.codec) == "powersgd" && stats.simulated_sum(layer, candidate) > 0) {
+    if (const double c = stats.shadow_correlation(layer, candidate); c > 0) {
+      x.correlation = c;
+      x.steady /= c;
+    }
+    const double held = realized_of(stats, layer) / x.correlation;
+    x.now = x.state_family == "quant" || !(held > 0) ? x.fresh : held;
+  }
   return x;
+}
+
+double Controller::realized_of(const ErrorStats& stats, size_t layer) const {
+  const uint32_t in_effect = in_effect_[layer];
+  const std::vector<Candidate>& candidates = layers_[layer].candidates;
+  if (codec_family(candidates[in_effect].codec) != "powersgd") return stats.realized_mean(layer, in_effect);
+  // The realized error is measured on the probe's sample of codec buckets; a low-rank
+  // candidate's reference is the whole layer (lowrank_probe.h). So the sample's content
+  // ratio comes from a candidate measured on that sample: the default, or another that is
+  // not low rank; else the sample's share of the layer.
+  uint32_t scale = layers_[layer].default_index;
+  for (uint32_t c = 0; codec_family(candidates[scale].codec) == "powersgd" && c < candidates.size(); ++c) scale = c;
+  if (codec_family(candidates[scale].codec) == "powersgd") return stats.realized_mean_sampled(layer);
+  return stats.realized_mean(layer, scale);
 }
 
 double Controller::topk_correlation(const ErrorStats& stats, size_t layer) const {
@@ -635,7 +670,7 @@ std::shared_ptr<const Assignment> Controller::solve_and_log(const Job& job, cons
   if (decision_log_) {
     std::vector<double> realized, window_relative;
     for (size_t l = 0; l < layers_.size(); ++l) {
-      realized.push_back(job.stats.realized_mean(l, in_effect_[l]));
+      realized.push_back(realized_of(job.stats, l));
       window_relative.push_back(relative_of(job.stats, l, realized.back()));
     }
     DecisionContext context;

@@ -231,6 +231,9 @@ class Controller {
   // The output's TopK error over the independent ranks' sum, on the layer's real state
   // (controller.cc, transient_of): where the shadows' own ratio is not measured.
   double topk_correlation(const ErrorStats& stats, size_t layer) const;
+  // The realized error per step of the layer's codec in effect, scaled from the probe's
+  // sample to the whole layer.
+  double realized_of(const ErrorStats& stats, size_t layer) const;
   mutable std::optional<double> pooled_topk_correlation_;  // per window; solver thread only
   double window_middle(uint64_t last) const;
   std::shared_ptr<const Assignment> solve_job(const Job& job);  // never throws

@@ -161,4 +161,9 @@ double ErrorStats::realized_mean(size_t layer, uint32_t in_effect) const {
   return realized_sum(layer) / n * content_ratio(layer, in_effect);
 }
 
+double ErrorStats::realized_mean_sampled(size_t layer) const {
+  const double n = data_[samples_offset_ + layer];
+  return n > 0 ? realized_sum(layer) / n * scale_[layer] : 0.0;
+}
+
 }  // namespace lgreco::controller

@@ -108,6 +108,9 @@ class ErrorStats {
   // `in_effect`, the candidate in effect, is: realized x measured / reference; 0 without
   // samples.
   double realized_mean(size_t layer, uint32_t in_effect) const;
+  // The same scaled by the sample's share of the layer alone (numel / sampled values):
+  // where no candidate of the sample's kind measured its content.
+  double realized_mean_sampled(size_t layer) const;
   // The candidate's error on the real state now, per step, scaled alike: `current` x
   // measured / reference (its estimate when not simulated).
   double current_mean(size_t layer, uint32_t candidate) const;

@@ -128,7 +128,7 @@ TopK is among the candidates.
                                      default codec stays quant:bits=4: the budget and the
                                      uniform 4 bits comparison mean the same.
   --warmup N           the controller's schedule (docs/CONTROLLER.md; defaults 5, 5, 2,
-  --period N             with a switch lag of 2; a real run's are 100, 100, 10, 3): the
+  --period N             with a switch lag of 2; a real run's are 100, 100, 10, 4): the
   --window N             first window ends at step warmup - 1, one every period after it
   --loop on|off        the closed loop on the realized error (default on); off: every solve
                        uses alpha = 1 (docs/CONTROLLER.md)

@@ -129,6 +129,17 @@ class Backend {
   // caller zeroes both arrays.
   virtual void distance(std::span<const Segment> segments, ElementSpan a, const float* b, int power, double weight,
                         double* out, uint8_t* nonfinite) = 0;
+  // The signed sketch of float32 runs (kernels/sketch.h): for each run and j < width,
+  // dst[to + j] = sum over i < count with i mod width = j of sign(key, i) x src[from + i],
+  // summed in double in the order of i and stored as float32 (j >= count: 0). Overwrites;
+  // the same bits on the CPU and the CUDA backend up to that rounding of the sum.
+  struct SketchRun {
+    uint64_t from = 0, count = 0;  // src elements
+    uint64_t to = 0;               // dst element of bucket 0
+    uint64_t width = 0;            // buckets (>= 1)
+    uint64_t key = 0;              // of the signs: the same on every rank
+  };
+  virtual void sketch(std::span<const SketchRun> runs, const float* src, float* dst) = 0;
   // out[i] = acc[i] narrowed to out's element type (round to nearest even).
   virtual void narrow(const float* acc, uint64_t n, ElementSpan out) = 0;
 

@@ -8,6 +8,7 @@
 
 #include "kernels/lowrank.h"
 #include "kernels/quant_math.h"
+#include "kernels/sketch.h"
 
 namespace lgreco::collective {
 
@@ -157,6 +158,18 @@ void CpuBackend::distance(std::span<const Segment> segments, ElementSpan a, cons
     }
     if (std::isfinite(sum)) out[s.layer] += weight * sum;
     else nonfinite[s.layer] = 1;
+  }
+}
+
+void CpuBackend::sketch(std::span<const SketchRun> runs, const float* src, float* dst) {
+  for (const SketchRun& r : runs) {
+    if (r.width == 0) throw std::invalid_argument("cpu backend sketch: a run of width 0");
+    for (uint64_t j = 0; j < r.width; ++j) {
+      double sum = 0;
+      for (uint64_t i = j; i < r.count; i += r.width)
+        sum += sketch::sign(r.key, i) * static_cast<double>(src[r.from + i]);
+      dst[r.to + j] = static_cast<float>(sum);
+    }
   }
 }
 

@@ -42,6 +42,7 @@ class CpuBackend final : public Backend {
               float* dst) override;
   void distance(std::span<const Segment> segments, ElementSpan a, const float* b, int power, double weight, double* out,
                 uint8_t* nonfinite) override;
+  void sketch(std::span<const SketchRun> runs, const float* src, float* dst) override;
   void measure(const Plan& plan, std::span<const Segment> segments, ElementSpan input, const float* residual,
                uint64_t residual_first, const Measure& m) override;
   void lowrank_project(std::span<const LowRankLayer> layers, ElementSpan input, const float* residual,

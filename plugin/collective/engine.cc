@@ -315,8 +315,10 @@ struct Engine::BucketState {
   std::optional<ExchangeSizes> sizes;           // of plan
   std::vector<uint64_t> gathered_bytes;         // per rank, of gathered
   uint64_t encoded_bytes = 0;                   // one encoding of the call: plan + gathered
-  // The error probe of the adaptive layers (null without a controller or such layers).
+  // The error probe of the adaptive layers (null without a controller or such layers),
+  // and of their low-rank candidates (null without any).
   std::unique_ptr<BucketProbe> probe;
+  std::unique_ptr<LowRankProbe> lowrank_probe;
   // Low rank (docs/ENGINE.md): the layers whose codec is powersgd now, with offsets into
   // P and Q; their warm-started Q and the seeded Q0 it restarts from; the floats of P and
   // Q per call. lowrank_measured: the adaptive layers with a powersgd candidate.
@@ -447,6 +449,14 @@ Engine::Engine(EngineOptions options, std::vector<BucketLayout> buckets, Fabric&
       if (std::find(s.measured.begin(), s.measured.end(), 1) == s.measured.end()) continue;
       s.probe = std::make_unique<BucketProbe>(buckets_[b], static_cast<uint32_t>(b), s.measured, s.columns,
                                               measured_candidates_, fabric_.size(), fabric_.rank(), probe);
+      if (lowrank_candidates_any()) {
+        std::vector<int> designated(buckets_[b].layers.size());
+        for (uint32_t l = 0; l < designated.size(); ++l) designated[l] = s.probe->designated(l);
+        auto lowrank =
+            std::make_unique<LowRankProbe>(buckets_[b], s.layer_base, s.measured, s.columns, measured_candidates_,
+                                           designated, fabric_.size(), fabric_.rank(), options_.seed);
+        if (!lowrank->empty()) s.lowrank_probe = std::move(lowrank);
+      }
     }
     stats_.emplace(new_window_stats());
   }
@@ -493,6 +503,7 @@ std::pair<uint64_t, std::vector<float>> Engine::owner_residual_snapshot(uint32_t
 }
 
 const BucketProbe* Engine::probe(uint32_t bucket) const { return state_of_.at(bucket)->probe.get(); }
+const LowRankProbe* Engine::lowrank_probe(uint32_t bucket) const { return state_of_.at(bucket)->lowrank_probe.get(); }
 
 uint64_t Engine::probe_sampled() const {
   uint64_t n = 0;
@@ -689,6 +700,7 @@ std::unique_ptr<Engine::Staged> Engine::stage(std::shared_ptr<const controller::
     if (s.probe) {
       t.probe = s.probe->for_assignment(t.codecs, t.algorithm == Algorithm::kScatterReduceAllGather);
       s.probe->prepare(backend_, measured_candidates_, t.probe);
+      if (s.lowrank_probe) s.lowrank_probe->prepare(backend_);
       const BucketProbe::Scratch need = s.probe->scratch_bytes(t.probe);
       for (auto [total, one] : {std::pair{&probe.send, need.send}, {&probe.recv, need.recv}, {&probe.inputs, need.inputs},
                                 {&probe.sum, need.sum}, {&probe.error, need.error}, {&probe.payload, need.payload},
@@ -967,6 +979,7 @@ CallOutcome Engine::run(const EngineCall& call) {
   // The error probe first, while the residuals still hold what this call adds to its input.
   const bool probing = b.probe && controller_->schedule().probes(call.step);
   if (probing) probe_step(b, call, leading ? nullptr : sample);
+  if (probing && b.lowrank_probe) lowrank_probe_step(b, call, leading ? nullptr : sample);
   if (sample && leading) {
     measure_magnitude(b, call, *sample);
   } else if (sample) {
@@ -1087,6 +1100,10 @@ void Engine::collect_samples(bool wait) {
       // Every rank measured its part of the whole layer; the probe's rank for the layer also
       // simulated and measured its sample, and counts the sample.
       const bool mine = b.probe && b.probe->designated(static_cast<uint32_t>(l)) == fabric_.rank();
+      // The low-rank probe simulates whole layers: their content is the reference (each
+      // rank's share, as measured), and each rank adds its share of the ranks' errors
+      // weighed as independent.
+      const bool lowrank_shares = b.lowrank_probe && b.lowrank_probe->covers(static_cast<uint32_t>(l));
       if (s.lead) {  // the magnitude alone; an overflowed step adds nothing
         if (host[at.nonfinite + l] == 0) stats_->add_lead(static_cast<size_t>(k), magnitude[l], !b.probe || mine);
         continue;
@@ -1096,9 +1113,10 @@ void Engine::collect_samples(bool wait) {
       for (uint32_t column : b.columns[l]) {
         values[0].push_back(measured[l * c + column]);
         values[1].push_back(mine ? simulated[l * c + column] : 0.0);
-        values[2].push_back(mine ? reference[l * c + column] : 0.0);
+        const bool shared = lowrank_shares && lowrank_candidates_[column];
+        values[2].push_back(shared ? measured[l * c + column] : mine ? reference[l * c + column] : 0.0);
         values[3].push_back(mine ? current[l * c + column] : 0.0);
-        values[4].push_back(mine ? independent[l * c + column] : 0.0);
+        values[4].push_back(mine || shared ? independent[l * c + column] : 0.0);
         bad |= mine && host[at.simulated_nonfinite + l * c + column] != 0;
       }
       bad |= mine && (host[at.reference_nonfinite + l] != 0 || host[at.realized_nonfinite + l] != 0);
@@ -1316,17 +1334,21 @@ void Engine::measure_magnitude(BucketState& b, const EngineCall& call, Sample& s
 }
 
 // Low-rank candidates, on every adaptive matrix layer that has one: each rank's own
-// gradient + residual, one power iteration from a seeded start (Backend::measure_lowrank),
-// weight 1/P^2 under ncclAvg as for every per-rank error. The exchange itself does better
-// than one iteration (its Q is warm-started and summed over ranks), so the estimate errs
-// toward more error.
+// gradient, one power iteration from a seeded start (Backend::measure_lowrank), weight
+// 1/P^2 under ncclAvg as for every per-rank error. That is the layer's content: the
+// candidates' own error-feedback state is the low-rank probe's (lowrank_probe.h). Without
+// that probe (no controller's probe in the bucket), on the real state, gradient +
+// residual: an estimate that misses what the candidate's own residual would hold.
 void Engine::measure_lowrank(BucketState& b, const EngineCall& call, Sample& sample) {
   if (b.lowrank_measured.empty()) return;
   Backend::Measure m = first_stage_measure(sample, call.op);
   m.candidate_mask = lowrank_candidates_;
   const NoiseBase key{options_.seed, 0, call.step, b.layer_base};
-  backend_.measure_lowrank(b.lowrank_measured, ElementSpan{const_cast<void*>(call.send), call.dtype, 0},
-                           b.residual ? static_cast<float*>(b.residual->data()) : nullptr, key, m);
+  // With the low-rank probe, on the gradient alone: the layer's content, which is also the
+  // reference of the probe's whole-layer simulation (collect_samples).
+  const float* residual = b.residual && !b.lowrank_probe ? static_cast<float*>(b.residual->data()) : nullptr;
+  backend_.measure_lowrank(b.lowrank_measured, ElementSpan{const_cast<void*>(call.send), call.dtype, 0}, residual, key,
+                           m);
 }
 
 // PowerSGD's exchange of the bucket's low-rank layers (Vogels et al. 2019), batched: one
@@ -1469,6 +1491,22 @@ void Engine::probe_step(BucketState& b, const EngineCall& call, Sample* sample) 
   p.candidates = measured_candidates_;
   const uint64_t sent_before = fabric_.counters().bytes_sent;
   b.probe->step(backend_, fabric_, p, probe_buffers(), sample ? &sample->probe : nullptr);
+  const uint64_t sent = fabric_.counters().bytes_sent - sent_before;
+  counters_.probe_bytes_sent += sent;
+  counters_.wire_bytes_sent += sent;
+}
+
+// The low-rank candidates' probe (plugin/collective/lowrank_probe.h): its two allreduces
+// come after the quantization probe's all-to-all, on every rank alike.
+void Engine::lowrank_probe_step(BucketState& b, const EngineCall& call, Sample* sample) {
+  LowRankProbe::Call p;
+  p.input = ElementSpan{const_cast<void*>(call.send), call.dtype, 0};
+  p.count = call.count;
+  p.step = call.step;
+  p.average = call.op == ReduceOp::kAvg;
+  p.error_feedback = b.residual != nullptr;
+  const uint64_t sent_before = fabric_.counters().bytes_sent;
+  b.lowrank_probe->step(backend_, fabric_, p, sample ? &sample->probe : nullptr);
   const uint64_t sent = fabric_.counters().bytes_sent - sent_before;
   counters_.probe_bytes_sent += sent;
   counters_.wire_bytes_sent += sent;

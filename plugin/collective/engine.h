@@ -50,6 +50,7 @@
 #include "plugin/collective/backend.h"
 #include "plugin/collective/fabric.h"
 #include "plugin/collective/layout.h"
+#include "plugin/collective/lowrank_probe.h"
 #include "plugin/collective/plan.h"
 #include "plugin/collective/probe.h"
 
@@ -164,6 +165,7 @@ class Engine {
   // bucket's probe (null without one): for tests and diagnostics.
   uint64_t probe_sampled() const;
   const BucketProbe* probe(uint32_t bucket) const;
+  const LowRankProbe* lowrank_probe(uint32_t bucket) const;  // null: none in the bucket
   // Global index of each adaptive layer in the controller: "bucket/layer" names.
   const std::vector<std::string>& controller_layer_names() const { return controller_names_; }
 
@@ -214,6 +216,7 @@ class Engine {
   BucketProbe::Buffers probe_buffers();
   controller::ErrorStats new_window_stats() const;  // the controller's, with the probe's sample scales
   void probe_step(BucketState& b, const EngineCall& call, Sample* sample);
+  void lowrank_probe_step(BucketState& b, const EngineCall& call, Sample* sample);
   void all_gather(const Plan& plan, BucketState& b, const EngineCall& call, CallTiming& timing);
   void measure_whole_layers(BucketState& b, const EngineCall& call, Sample& sample);
   void measure_magnitude(BucketState& b, const EngineCall& call, Sample& sample);

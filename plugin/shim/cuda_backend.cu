@@ -21,15 +21,15 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdlib>
-#include <functional>
-#include <utility>
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <mutex>
 #include <new>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "config/log.h"
 #include "kernels/codec_spec.h"
@@ -38,6 +38,7 @@
 #include "kernels/lowrank_cuda.h"
 #include "kernels/quant_batch.h"
 #include "kernels/quant_math.h"
+#include "kernels/sketch.h"
 #include "kernels/topk_cuda.h"
 #include "kernels/topk_cuda_plan.h"
 #include "plugin/shim/cuda_backend.h"
@@ -442,6 +443,26 @@ __global__ void __launch_bounds__(kThreads) gather_kernel(const __grid_constant_
                         : 0.0f;
     float* d = a.dst + r.to + i;
     *d = a.accumulate ? add_canonical(*d, v) : quant::canonical_nan(v);
+  }
+}
+
+struct SketchTable {
+  uint32_t count;
+  uint32_t pad;
+  collective::Backend::SketchRun runs[kMaxSegmentsPerLaunch / 2];
+};
+static_assert(sizeof(SketchTable) <= 2100, "kernel parameters are limited to 4 KB with the arguments");
+
+// sketch: one thread per bucket j of run blockIdx.y, over its elements j, j + width, ...
+// in order, in double: the CPU backend's sum, in the same order.
+__global__ void __launch_bounds__(kThreads)
+    sketch_kernel(const __grid_constant__ SketchTable t, const float* src, float* dst) {
+  const collective::Backend::SketchRun& r = t.runs[blockIdx.y];
+  for (uint64_t j = thread_index(); j < r.width; j += thread_stride()) {
+    double sum = 0;
+    for (uint64_t i = j; i < r.count; i += r.width)
+      sum += sketch::sign(r.key, i) * static_cast<double>(src[r.from + i]);
+    dst[r.to + j] = static_cast<float>(sum);
   }
 }
 
@@ -1079,6 +1100,30 @@ void CudaBackend::distance(std::span<const Segment> segments, ElementSpan a, con
                       static_cast<const double*>(partial), weight, out, nonfinite);
   });
   enqueued("distance");
+}
+
+void CudaBackend::sketch(std::span<const SketchRun> runs, const float* src, float* dst) {
+  if (runs.empty()) return;
+  DeviceGuard guard(device_);
+  SketchTable t;
+  t.count = 0;
+  t.pad = 0;
+  uint64_t widest = 0;
+  const auto flush = [&] {
+    if (t.count == 0) return;
+    qc::launch_kernel(sketch_kernel, table_grid(widest, t.count), kThreads, stream_, "the backend's sketch kernel", t,
+                      src, dst);
+    t.count = 0;
+    widest = 0;
+  };
+  for (const SketchRun& r : runs) {
+    if (r.width == 0) throw std::invalid_argument("cuda backend sketch: a run of width 0");
+    t.runs[t.count++] = r;
+    widest = std::max(widest, r.width);
+    if (t.count == kMaxSegmentsPerLaunch / 2) flush();
+  }
+  flush();
+  enqueued("sketch");
 }
 
 void CudaBackend::prepare_probe(const Plan& plan) {

@@ -110,6 +110,8 @@ class CudaBackend final : public StreamBackend {
               float* dst) override;
   void distance(std::span<const collective::Segment> segments, collective::ElementSpan a, const float* b, int power,
                 double weight, double* out, uint8_t* nonfinite) override;
+  // One thread per bucket of a run, its elements in order (deterministic).
+  void sketch(std::span<const SketchRun> runs, const float* src, float* dst) override;
   void prepare_probe(const collective::Plan& plan) override;
   // prepare_measure grows the kernels' scratch (device memory the backend owns,
   // counted in device_bytes and the cap) to what measure() could need on ANY segments of

@@ -72,6 +72,7 @@ class HostBackend final : public StreamBackend {
                 double weight, double* out, uint8_t* nonfinite) override {
     cpu_.distance(segments, a, b, power, weight, out, nonfinite);
   }
+  void sketch(std::span<const SketchRun> runs, const float* src, float* dst) override { cpu_.sketch(runs, src, dst); }
   void measure(const collective::Plan& plan, std::span<const collective::Segment> segments,
                collective::ElementSpan input, const float* residual, uint64_t residual_first,
                const Measure& m) override {

@@ -14,7 +14,7 @@
 //                      other columns untouched); PowerSGD's operations through the backend
 //                      on random matrix layers (docs/KERNELS.md's cuBLAS tolerances, the
 //                      rest bit for bit, nothing allocated after prepare_lowrank); the error
-//                      probe's gather and distance, and a probe step on random layers and
+//                      probe's gather, distance and sketch, and a probe step on random layers and
 //                      candidates (simulated, reference and realized errors). Then set_stream's
 //                      ordering across two streams, stream-ordered frees (a buffer freed
 //                      while work on it is queued, its memory reused at once), set_stream
@@ -990,6 +990,34 @@ void check_distance(Ctx& c) {
   else c.r.fail("distance", what + ": " + bad);
 }
 
+// sketch: signed runs of float32 values into buckets (kernels/sketch.h), more runs than
+// one launch's table, widths from 1 to beyond the runs' lengths, poisoned outputs between
+// the runs left alone: the same bits as the CPU's (both sum in double in the same order,
+// and each term is exact).
+void check_sketch(Ctx& c) {
+  const uint64_t n = 1 + below(c.rng, 300000);
+  const std::vector<uint8_t> src = flat_values(c.rng, n);
+  std::vector<collective::Backend::SketchRun> runs;
+  uint64_t to = 0;
+  const size_t count = 1 + below(c.rng, 80);
+  for (size_t k = 0; k < count; ++k) {
+    collective::Backend::SketchRun r;
+    r.from = below(c.rng, n);
+    r.count = below(c.rng, std::min<uint64_t>(n - r.from, 40000) + 1);
+    r.width = pick<uint64_t>(c.rng, {1, 7, 256, 1024, 1 + below(c.rng, 5000)});
+    r.to = to;
+    r.key = c.rng();
+    to += r.width + below(c.rng, 3);
+    runs.push_back(r);
+  }
+  std::vector<uint8_t> dst = flat_values(c.rng, to + 5);
+  DeviceBuffer d_src = to_device(src), d_dst = to_device(dst);
+  c.cpu.sketch(runs, reinterpret_cast<const float*>(src.data()), reinterpret_cast<float*>(dst.data()));
+  c.gpu.sketch(runs, f32(d_src), f32(d_dst));
+  expect_same(c, "sketch", strf("%zu runs over %llu values", runs.size(), static_cast<ull>(n)), dst, from_device(d_dst),
+              4);
+}
+
 // One rank's fabric over device memory: the probe's exchange is a copy on the stream.
 class DeviceLoopback final : public collective::Fabric {
  public:
@@ -1560,11 +1588,12 @@ int run_check(const Options& o) {
         r.fail("lowrank", strf("low rank %d threw: %s", i, e.what()));
         if (cudaGetLastError() != cudaSuccess) throw;
       }
-      stage = "divide, narrow, gather, distance, memory operations";
+      stage = "divide, narrow, gather, distance, sketch, memory operations";
       check_divide(c);
       check_narrow(c);
       check_gather(c);
       check_distance(c);
+      check_sketch(c);
       if (i % 3 == 0) {
         stage = strf("probe %d", i);
         try {

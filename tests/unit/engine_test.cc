@@ -595,6 +595,7 @@ class ForwardingBackend : public Backend {
                 uint8_t* nf) override {
     cpu_.distance(g, a, b, power, w, out, nf);
   }
+  void sketch(std::span<const SketchRun> r, const float* src, float* dst) override { cpu_.sketch(r, src, dst); }
   void measure(const Plan& p, std::span<const Segment> g, ElementSpan in, const float* r, uint64_t rf,
                const Measure& m) override {
     cpu_.measure(p, g, in, r, rf, m);
@@ -1173,6 +1174,116 @@ BOOST_AUTO_TEST_CASE(the_realized_error_stays_within_budget_over_epochs) {
 }
 #endif
 
+// The same with PowerSGD among the candidates: matrix layers whose gradients are a shared
+// low-rank signal (of a strength that differs per layer) under each rank's own noise, at
+// scales over two decades, quantization 2..8 bits and ranks 1, 2, 4, 8 to choose from.
+// PowerSGD's residual piles up what its basis misses; before the low-rank probe its
+// candidates were measured on the default's state, 0.04-0.16 of what they make once they
+// run (probe/lowrank_shadows_give_powersgd_its_own_steady_state_error), and this run
+// spent 1.11-1.86 of its budget (seeds 1-6 at 1397e33; its first adaptive epoch 5.1-9.6x).
+#if !defined(__SANITIZE_THREAD__)
+BOOST_AUTO_TEST_CASE(the_realized_error_stays_within_budget_with_powersgd_candidates) {
+  const uint64_t seed = test::run_seed();
+  std::vector<CodecSpec> candidates;
+  for (int bits = 2; bits <= 8; ++bits) candidates.push_back(quant(bits));
+  for (int rank : {1, 2, 4, 8}) candidates.push_back(CodecSpec::parse("powersgd:rank=" + std::to_string(rank)));
+  const std::vector<uint64_t> rows = {64, 32, 128, 48, 96, 64, 32, 80},
+                              cols = {512, 768, 256, 640, 384, 448, 1024, 320};
+  BucketLayout bucket;
+  std::vector<double> scale, signal;
+  for (size_t l = 0; l < rows.size(); ++l) {
+    LayerLayout x{"matrix" + std::to_string(l), bucket.count, rows[l] * cols[l], candidates, 2};
+    x.rows = rows[l];
+    bucket.layers.push_back(x);
+    bucket.count += x.numel;
+    scale.push_back(std::pow(10.0, -1.0 + 2.0 * static_cast<double>((l * 3) % rows.size()) / (rows.size() - 1)));
+    signal.push_back(0.5 + 3.0 * static_cast<double>((l * 5) % rows.size()) / (rows.size() - 1));
+  }
+  const auto input = [&](int r, uint64_t step, uint32_t) {
+    std::vector<float> x(bucket.count);
+    std::normal_distribution<double> normal;
+    for (size_t l = 0; l < rows.size(); ++l) {
+      std::mt19937_64 fixed(seed * 31 + l), own(seed ^ (uint64_t(r + 1) << 40) ^ (step << 8) ^ l);
+      std::vector<double> u(rows[l] * 4), v(cols[l] * 4);
+      for (double& e : u) e = normal(fixed);
+      for (double& e : v) e = normal(fixed);
+      for (uint64_t i = 0; i < rows[l]; ++i)
+        for (uint64_t j = 0; j < cols[l]; ++j) {
+          double low = 0;
+          for (int k = 0; k < 4; ++k)
+            low += u[i * 4 + k] * v[j * 4 + k] / (1.0 + k) * (1 + 0.1 * std::sin(0.3 * step + k));
+          x[bucket.layers[l].offset + i * cols[l] + j] =
+              static_cast<float>(scale[l] * (signal[l] * low / 2 + normal(own)));
+        }
+    }
+    return x;
+  };
+  const uint64_t period = 10, window = 2;
+  const uint64_t first = period + 1, steps = 6 * period;
+  test::PinnedRun run;
+  run.ranks = 4;
+  run.buckets = {bucket};
+  run.steps = steps;  // switches at 11, 21, 31, 41, 51
+  run.input = input;
+  const auto options = [&](int) {
+    EngineOptions o;
+    o.codec = quant(4);
+    o.candidates.clear();
+    for (int bits = 2; bits <= 8; ++bits) o.candidates.push_back(quant(bits));
+    for (int rank : {1, 2, 4, 8}) o.candidates.push_back(CodecSpec::parse("powersgd:rank=" + std::to_string(rank)));
+    o.algorithm = Algorithm::kAllGather;
+    o.parameters_text = "budget powersgd";
+    o.controller.schedule = {period, period, window, 2};
+    return o;
+  };
+  test::PinnedRun uniform = run;
+  uniform.options = [&](int r) {
+    EngineOptions o = options(r);
+    o.mode = config::Mode::kUniform;
+    return o;
+  };
+  const test::PinnedResult reference = test::run_pinned(uniform);
+  BOOST_TEST_REQUIRE(reference.failures.empty(), reference.failures.front());
+  run.options = options;
+  const test::PinnedResult adaptive = test::run_pinned(run);
+  BOOST_TEST_REQUIRE(adaptive.failures.empty(), adaptive.failures.front());
+  const auto total = [](const test::PinnedResult& r, uint64_t from, uint64_t to) {
+    double e = 0;
+    for (uint64_t step = from; step < std::min<uint64_t>(to, r.error.size()); ++step)
+      for (double v : r.error[step][0]) e += v;
+    return e;
+  };
+  const double ratio = total(adaptive, first + period, steps) / total(reference, first + period, steps);
+  std::string epochs;
+  double worst = 0;
+  for (uint64_t from = first; from < steps; from += period) {
+    const double epoch = total(adaptive, from, from + period) / total(reference, from, from + period);
+    epochs += " " + std::to_string(epoch);
+    if (from > first) worst = std::max(worst, epoch);
+  }
+  const uint64_t bytes = adaptive.encoded_bytes[steps - 1] - adaptive.encoded_bytes[first + period - 1];
+  const uint64_t uniform_bytes = reference.encoded_bytes[steps - 1] - reference.encoded_bytes[first + period - 1];
+  BOOST_TEST_CONTEXT("seed " << seed << ": compression error over the uniform run's " << ratio << "; per epoch"
+                             << epochs << "; bytes over uniform's " << double(bytes) / double(uniform_bytes)) {
+    BOOST_TEST_MESSAGE("powersgd: compression error over the uniform run's " << ratio << "; per epoch" << epochs
+                                                                             << "; bytes over uniform's "
+                                                                             << double(bytes) / double(uniform_bytes));
+    // Over seeds 1-12: the whole run 0.91-1.03 (median 0.96), with 20-step epochs and
+    // 4-step windows 0.92-1.05. Before the low-rank probe 1.11-1.86 (seeds 1-6).
+    BOOST_TEST(ratio <= 1.10);
+    BOOST_TEST(ratio >= 0.80);
+    // A single epoch is not held as tightly (docs/PERF.md, issue 19): a layer switched to a
+    // low rank starts a transient that its shadow, running since step 0, has left behind
+    // (seed 4: moved from 2 bits to rank 1, its error rose within 8 steps to twice its
+    // shadow's level and the epoch realized 2.5x its prediction). The worst later epoch
+    // over seeds 1-12: 1.02-1.46 (20-step epochs: 0.97-1.46), each taken back by the loop
+    // in the next; before the probe, 5.1-9.6 in the first.
+    BOOST_TEST(worst <= 1.6);
+    BOOST_TEST(bytes * 1.1 < uniform_bytes);
+  }
+}
+#endif
+
 // The controller switches every rank to the same assignment at the same step.
 BOOST_AUTO_TEST_CASE(adaptive_switches_are_the_same_on_every_rank) {
   const uint64_t seed = test::run_seed();
@@ -1604,11 +1715,12 @@ class StrictBackend final : public ForwardingBackend {
   void prepare_lowrank(std::span<const LowRankLayer> layers, std::span<const LowRankLayer> measured,
                        uint32_t max_measured_rank, DType dtype, bool residual) override {
     if (fail_prepare_lowrank) throw std::runtime_error("lgreco: PowerSGD needs cuBLAS: libcublas.so.13: not found");
-    lowrank_.assign(layers.begin(), layers.end());
-    measured_.assign(measured.begin(), measured.end());
-    max_measured_rank_ = max_measured_rank;
-    dtype_ = dtype;
-    residual_ = residual;
+    // Preparations add up, as a GPU's grow-only scratch does: the error probe prepares its
+    // shadows' layers, the exchange its own.
+    lowrank_.insert(lowrank_.end(), layers.begin(), layers.end());
+    if (!measured.empty()) measured_.assign(measured.begin(), measured.end());
+    if (max_measured_rank) max_measured_rank_ = max_measured_rank;
+    kinds_.emplace_back(dtype, residual);
   }
 
   void encode(const Plan& p, std::span<const Segment> g, ElementSpan in, float* r, uint64_t rf, const uint8_t* f,
@@ -1632,7 +1744,8 @@ class StrictBackend final : public ForwardingBackend {
                        const float* q, float* p) override {
     for (const LowRankLayer& x : l)
       if (!has_layer(lowrank_, x, true)) problems_.push_back("a low-rank layer not prepared");
-    if (in.dtype != dtype_ || (r != nullptr) != residual_) problems_.push_back("low rank: another dtype or residual");
+    if (std::find(kinds_.begin(), kinds_.end(), std::pair{in.dtype, r != nullptr}) == kinds_.end())
+      problems_.push_back("low rank: another dtype or residual");
     ++seen_.lowrank_projects;
     ForwardingBackend::lowrank_project(l, in, r, f, q, p);
   }
@@ -1670,8 +1783,7 @@ class StrictBackend final : public ForwardingBackend {
   std::vector<CodecSpec> prepared_candidates_;
   std::vector<LowRankLayer> lowrank_, measured_;
   uint32_t max_measured_rank_ = 0;
-  DType dtype_ = DType::kFloat32;
-  bool residual_ = false;
+  std::vector<std::pair<DType, bool>> kinds_;  // (input dtype, residual) prepared
 };
 
 Job three_family_job(int ranks, Algorithm algorithm, uint64_t seed) {
