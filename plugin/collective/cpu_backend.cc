@@ -162,8 +162,9 @@ void CpuBackend::distance(std::span<const Segment> segments, ElementSpan a, cons
 }
 
 void CpuBackend::sketch(std::span<const SketchRun> runs, const float* src, float* dst) {
-  for (const SketchRun& r : runs) {
+  for (const SketchRun& r : runs)  // before any output is written
     if (r.width == 0) throw std::invalid_argument("cpu backend sketch: a run of width 0");
+  for (const SketchRun& r : runs) {
     for (uint64_t j = 0; j < r.width; ++j) {
       double sum = 0;
       for (uint64_t i = j; i < r.count; i += r.width)

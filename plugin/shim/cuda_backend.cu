@@ -1104,6 +1104,9 @@ void CudaBackend::distance(std::span<const Segment> segments, ElementSpan a, con
 
 void CudaBackend::sketch(std::span<const SketchRun> runs, const float* src, float* dst) {
   if (runs.empty()) return;
+  // Checked before anything is enqueued: a bad run launches none of the others.
+  for (const SketchRun& r : runs)
+    if (r.width == 0) throw std::invalid_argument("cuda backend sketch: a run of width 0");
   DeviceGuard guard(device_);
   SketchTable t;
   t.count = 0;
@@ -1117,7 +1120,6 @@ void CudaBackend::sketch(std::span<const SketchRun> runs, const float* src, floa
     widest = 0;
   };
   for (const SketchRun& r : runs) {
-    if (r.width == 0) throw std::invalid_argument("cuda backend sketch: a run of width 0");
     t.runs[t.count++] = r;
     widest = std::max(widest, r.width);
     if (t.count == kMaxSegmentsPerLaunch / 2) flush();
