@@ -458,10 +458,10 @@ double Controller::realized_of(const ErrorStats& stats, size_t layer) const {
   // candidate's reference is the whole layer (lowrank_probe.h). So the sample's content
   // ratio comes from a candidate measured on that sample: the default, or another that is
   // not low rank; else the sample's share of the layer.
+  const auto on_sample = [&](uint32_t c) { return codec_family(candidates[c].codec) != "powersgd"; };
   uint32_t scale = layers_[layer].default_index;
-  for (uint32_t c = 0; codec_family(candidates[scale].codec) == "powersgd" && c < candidates.size(); ++c) scale = c;
-  if (codec_family(candidates[scale].codec) == "powersgd") return stats.realized_mean_sampled(layer);
-  return stats.realized_mean(layer, scale);
+  for (uint32_t c = 0; !on_sample(scale) && c < candidates.size(); ++c) scale = c;
+  return on_sample(scale) ? stats.realized_mean(layer, scale) : stats.realized_mean_sampled(layer);
 }
 
 double Controller::topk_correlation(const ErrorStats& stats, size_t layer) const {

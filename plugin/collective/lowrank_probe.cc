@@ -23,12 +23,12 @@ LowRankProbe::LowRankProbe(const BucketLayout& layout, uint32_t layer_base, std:
   for (uint32_t l = 0; l < n; ++l) {
     const LayerLayout& layer = layout.layers[l];
     if (!measured[l] || layer.rows == 0 || layer.numel % layer.rows != 0) continue;
-    Layer x{l, values_, designated[l]};
+    const uint64_t at = values_;  // the layer's first value in the probe's copy
     for (Shadow& s : shadows_of_) {
       if (std::find(columns[l].begin(), columns[l].end(), s.column) == columns[l].end()) continue;
       Backend::LowRankLayer m;
       m.layer = l;
-      m.offset = x.at;
+      m.offset = at;
       m.rows = layer.rows;
       m.cols = layer.numel / layer.rows;
       m.rank = candidates[s.column].powersgd_params().rank;
@@ -36,17 +36,16 @@ LowRankProbe::LowRankProbe(const BucketLayout& layout, uint32_t layer_base, std:
       m.q_offset = q_floats_;
       p_floats_ += m.rows * m.rank;
       q_floats_ += m.cols * m.rank;
-      max_rank_ = std::max(max_rank_, m.rank);
       s.layers.push_back(m);
       all_layers_.push_back(m);
       const uint64_t width = std::min(kLowRankSketchWidth, layer.numel);
-      s.sketches.push_back(Backend::SketchRun{x.at, layer.numel, sketch_floats_, width, 0});
+      s.sketches.push_back(Backend::SketchRun{at, layer.numel, sketch_floats_, width, 0});
       Segment own;
       own.layer = static_cast<uint32_t>(l * table_columns + s.column);  // the statistics slot
-      own.offset = x.at;
+      own.offset = at;
       own.count = layer.numel;
       s.shadow_segments.push_back(own);
-      if (x.designated == rank_) {
+      if (designated[l] == rank_) {
         Segment sum = own;
         sum.offset = sketch_floats_;
         sum.count = width;
@@ -56,16 +55,10 @@ LowRankProbe::LowRankProbe(const BucketLayout& layout, uint32_t layer_base, std:
       covered_[l] = 1;
     }
     if (!covered_[l]) continue;
-    runs_.push_back(Backend::Run{layer.offset, x.at, layer.numel});
+    runs_.push_back(Backend::Run{layer.offset, at, layer.numel});
     values_ += layer.numel;
-    layers_.push_back(x);
   }
   std::erase_if(shadows_of_, [](const Shadow& s) { return s.layers.empty(); });
-}
-
-uint64_t LowRankProbe::memory_bytes() const {
-  if (empty()) return 0;
-  return 4 * ((shadows_of_.size() + 1) * values_ + p_floats_ + sketch_floats_ + 3 * q_floats_);  // + pinned Q0
 }
 
 void LowRankProbe::prepare(Backend& backend) {

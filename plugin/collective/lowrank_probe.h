@@ -73,13 +73,9 @@ class LowRankProbe {
                const std::vector<std::vector<uint32_t>>& columns, std::span<const CodecSpec> candidates,
                std::span<const int> designated, int ranks, int rank, uint64_t seed);
 
-  bool empty() const { return layers_.empty(); }
+  bool empty() const { return values_ == 0; }
   // Whether layer l's low-rank columns are simulated here.
   bool covers(uint32_t layer) const { return covered_[layer] != 0; }
-  // Values simulated (the layers' sizes summed).
-  uint64_t simulated_values() const { return values_; }
-  // Backend memory prepare() allocates, in bytes.
-  uint64_t memory_bytes() const;
 
   // Allocates the state (once; it persists, and a second call does nothing), starts every
   // candidate's factor at the layer's seeded Q0 (uploaded from pinned memory, as the
@@ -100,12 +96,6 @@ class LowRankProbe {
   void step(Backend& backend, Fabric& fabric, const Call& call, const ProbeOutput* out);
 
  private:
-  struct Layer {
-    uint32_t layer = 0;  // in the bucket
-    uint64_t at = 0;     // its first value in the probe's copy
-    int designated = -1;
-  };
-  std::vector<Layer> layers_;
   std::vector<uint8_t> covered_;
   std::vector<Backend::Run> runs_;  // call elements -> the copy of g
   uint64_t values_ = 0;
@@ -125,7 +115,6 @@ class LowRankProbe {
   std::vector<Shadow> shadows_of_;
   std::vector<Backend::LowRankLayer> all_layers_;
   uint64_t p_floats_ = 0, q_floats_ = 0, sketch_floats_ = 0;
-  uint32_t max_rank_ = 0;
   // State: per k a shadow (r_c of this rank) of the copy's size; this rank's g; P; the
   // sketches followed by Q' (one allreduce); Q and Q0, and Q0's pinned staging.
   std::unique_ptr<Backend::Buffer> shadows_, g_, p_, sketch_q_, q_, q0_, q0_host_;

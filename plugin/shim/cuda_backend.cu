@@ -25,6 +25,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <iterator>
 #include <mutex>
 #include <new>
 #include <stdexcept>
@@ -536,6 +537,31 @@ void for_each_table(std::span<const Segment> segments, uint64_t byte_offset_base
     t.jobs[t.count++] = SegmentJob{s.offset, s.count, byte_offset_base + s.byte_offset, s.layer, 0};
     max_count = std::max(max_count, s.count);
     if (t.count == kMaxSegmentsPerLaunch) flush();
+  }
+  flush();
+}
+
+// Calls launch(table, grid) for each table of up to std::size(table.runs) of `runs`,
+// copied as they are (gather's and sketch's tables), the grid's x from the largest
+// extent(run) in the table; a run of extent 0 is dropped.
+template <class Table, class Item, class Extent, class Launch>
+void for_each_run_table(std::span<const Item> runs, Extent&& extent, Launch&& launch) {
+  Table t;
+  t.count = 0;
+  t.pad = 0;
+  uint64_t widest = 0;
+  const auto flush = [&] {
+    if (t.count == 0) return;
+    launch(t, table_grid(widest, t.count));
+    t.count = 0;
+    widest = 0;
+  };
+  for (const Item& r : runs) {
+    const uint64_t n = extent(r);
+    if (n == 0) continue;
+    t.runs[t.count++] = r;
+    widest = std::max(widest, n);
+    if (t.count == std::size(t.runs)) flush();
   }
   flush();
 }
@@ -1065,24 +1091,11 @@ void CudaBackend::gather(std::span<const Run> runs, ElementSpan src, uint64_t sr
   if (runs.empty()) return;
   DeviceGuard guard(device_);
   const GatherArgs args{src.data, src.first, src_end, dst, scale, src.dtype, static_cast<uint8_t>(accumulate)};
-  RunTable t;
-  t.count = 0;
-  t.pad = 0;
-  uint64_t longest = 0;
-  const auto flush = [&] {
-    if (t.count == 0) return;
-    qc::launch_kernel(gather_kernel, table_grid(longest, t.count), kThreads, stream_, "the backend's gather kernel", t,
-                      args);
-    t.count = 0;
-    longest = 0;
-  };
-  for (const Run& r : runs) {
-    if (r.count == 0) continue;
-    t.runs[t.count++] = r;
-    longest = std::max(longest, r.count);
-    if (t.count == kMaxSegmentsPerLaunch) flush();
-  }
-  flush();
+  for_each_run_table<RunTable>(
+      runs, [](const Run& r) { return r.count; },
+      [&](const RunTable& t, dim3 grid) {
+        qc::launch_kernel(gather_kernel, grid, kThreads, stream_, "the backend's gather kernel", t, args);
+      });
   enqueued("gather");
 }
 
@@ -1108,23 +1121,11 @@ void CudaBackend::sketch(std::span<const SketchRun> runs, const float* src, floa
   for (const SketchRun& r : runs)
     if (r.width == 0) throw std::invalid_argument("cuda backend sketch: a run of width 0");
   DeviceGuard guard(device_);
-  SketchTable t;
-  t.count = 0;
-  t.pad = 0;
-  uint64_t widest = 0;
-  const auto flush = [&] {
-    if (t.count == 0) return;
-    qc::launch_kernel(sketch_kernel, table_grid(widest, t.count), kThreads, stream_, "the backend's sketch kernel", t,
-                      src, dst);
-    t.count = 0;
-    widest = 0;
-  };
-  for (const SketchRun& r : runs) {
-    t.runs[t.count++] = r;
-    widest = std::max(widest, r.width);
-    if (t.count == kMaxSegmentsPerLaunch / 2) flush();
-  }
-  flush();
+  for_each_run_table<SketchTable>(
+      runs, [](const SketchRun& r) { return r.width; },
+      [&](const SketchTable& t, dim3 grid) {
+        qc::launch_kernel(sketch_kernel, grid, kThreads, stream_, "the backend's sketch kernel", t, src, dst);
+      });
   enqueued("sketch");
 }
 
