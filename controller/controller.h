@@ -212,6 +212,11 @@ class Controller {
   // error x numel / magnitude^2 of the window (0 where no magnitude was measured).
   double relative_of(const ErrorStats& stats, size_t layer, double error) const;
   std::vector<double> drift_of(const ErrorStats& stats, uint64_t window_last) const;
+  struct EnergyPoint {
+    double t, energy;  // a window's (or the first lead's) middle, counted from 1; magnitude^2
+  };
+  void record_energies(const Job& job);
+  double energy_age(size_t layer, uint64_t window_last) const;
   // A candidate's error after a switch to it (controller.cc, mean_error): its estimate in
   // its own state, on the state now, and on the gradient alone, per step; the age of the
   // state its estimate was measured in (its shadow's, in steps; 0: not simulated); and
@@ -224,6 +229,15 @@ class Controller {
     // TopK: the output's error over the independent ranks' sum (the shadows' ratio, else
     // topk_correlation); it scales the whole curve, not the state's place on it.
     double correlation = 1;
+    // The gradient's energy over the window's as a power of the step, (t / window_t)^q
+    // (t counted from 1; q from the layer's drift), and that drift, by which the caller
+    // scales the epoch's error. An accumulating codec's state holds past gradients, which
+    // do not drift: its steps count by energy_steps and its error is the drift's over.
+    double window_t = 0, energy_exponent = 0, drift = 1;
+    // The steps from the window's middle to the switch (the codec in effect's `ageing`).
+    double lag = 0;
+    // The steps [0, s) after the window's middle in steps of its gradient's energy.
+    double energy_steps(double s) const;
     std::string state_family;  // of the codec in effect, whose residual the state holds
   };
   Transient transient_of(const Job& job, size_t layer, uint32_t candidate) const;
@@ -234,6 +248,7 @@ class Controller {
   // The realized error per step of the layer's codec in effect, scaled from the probe's
   // sample to the whole layer.
   double realized_of(const ErrorStats& stats, size_t layer) const;
+  double state_growth_to_switch(const Job& job, size_t layer) const;
   mutable std::optional<double> pooled_topk_correlation_;  // per window; solver thread only
   double window_middle(uint64_t last) const;
   std::shared_ptr<const Assignment> solve_job(const Job& job);  // never throws
@@ -263,6 +278,12 @@ class Controller {
   std::vector<std::optional<Transient>> chosen_;
   std::vector<double> chosen_scale_, chosen_defaults_;
   double last_middle_ = 0;  // of the window before (0: none yet)
+  // Per layer, the gradient energies measured so far (record_energies), one point per
+  // window; and the shadows' age in the window being solved, in steps of its gradient's
+  // energy there (energy_age), set by solve_job before the problem is built.
+  std::vector<std::vector<EnergyPoint>> energy_history_;
+  std::vector<double> shadow_age_;
+  std::vector<double> drift_;  // per layer, the epoch's (drift_of), set with shadow_age_
 
   // Training-path state (one thread).
   std::shared_ptr<const Assignment> current_;

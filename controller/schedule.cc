@@ -1,6 +1,7 @@
 #include "controller/schedule.h"
 
 #include <algorithm>
+#include <functional>
 #include <stdexcept>
 #include <string>
 
@@ -40,21 +41,27 @@ double Schedule::first_lead_middle() const {
   return n > 0 ? sum / n : 0.0;
 }
 
-uint64_t Schedule::probe_steps_through(uint64_t step) const {
+template <typename Block>
+void Schedule::for_each_probe_block(uint64_t step, Block&& block) const {
   const ScheduleSettings& s = settings_;
   // Window k ends at last_k = warmup - 1 + k period; the steps after last_{k-1} up to
   // last_k that probe are the last window + probe_lead of them (clipped to 1.., as the
   // first window is).
-  uint64_t count = 0, after = 0;  // steps <= after are counted
+  uint64_t after = 0;  // steps <= after are done
   for (uint64_t k = 0; after < step; ++k) {
     const uint64_t last = s.warmup - 1 + k * s.period;
     const uint64_t first_window = k == 0 ? std::max<uint64_t>(1, s.warmup > s.window ? s.warmup - s.window : 1)
                                          : last - s.window + 1;
     const uint64_t from = std::max({after + 1, first_window > s.probe_lead ? first_window - s.probe_lead : 1, uint64_t{1}});
     const uint64_t to = std::min(last, step);
-    if (to >= from) count += to - from + 1;
+    if (to >= from) block(from, to);
     after = last;
   }
+}
+
+uint64_t Schedule::probe_steps_through(uint64_t step) const {
+  uint64_t count = 0;
+  for_each_probe_block(step, [&](uint64_t from, uint64_t to) { count += to - from + 1; });
   return count;
 }
 
@@ -66,6 +73,20 @@ double Schedule::shadow_age(uint64_t window_last_step) const {
   const uint64_t steps = window_last_step - first + 1;
   // Every window step probes, so the ages over the window rise by one per step.
   return static_cast<double>(probe_steps_through(window_last_step)) - (static_cast<double>(steps) - 1) / 2;
+}
+
+double Schedule::weighted_shadow_age(uint64_t window_last_step,
+                                     const std::function<double(double, double)>& run_weight) const {
+  const ScheduleSettings& s = settings_;
+  const uint64_t first = window_last_step + 1 > s.window ? window_last_step + 1 - s.window : 1;
+  if (window_last_step < first) return 0;
+  const uint64_t steps = window_last_step - first + 1;
+  double sum = 0;
+  for_each_probe_block(window_last_step, [&](uint64_t from, uint64_t to) {
+    sum += run_weight(static_cast<double>(from) + 1, static_cast<double>(to) + 1);
+  });
+  // Over the window's steps, as shadow_age: the steps after the middle are younger.
+  return sum - (static_cast<double>(steps) - 1) / 2;
 }
 
 bool Schedule::window_ends(uint64_t step) const {

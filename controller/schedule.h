@@ -23,6 +23,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 
 namespace lgreco::controller {
 
@@ -57,12 +58,20 @@ class Schedule {
   uint64_t probe_steps_through(uint64_t step) const;
   // The shadows' mean age over the steps of the window ending at window_last_step.
   double shadow_age(uint64_t window_last_step) const;
+  // The same age with each probe step weighed (the controller's weight: the step's
+  // gradient energy over the window's): run_weight(a, b) gives the summed weights of the
+  // consecutive probe steps a..b (counted from 1); it is asked for each run in order.
+  // Each step weighing 1 (run_weight = b - a + 1): shadow_age().
+  double weighted_shadow_age(uint64_t window_last_step, const std::function<double(double, double)>& run_weight) const;
   // Whether this step is the last of a window: after it, aggregate and submit.
   bool window_ends(uint64_t step) const;
   // The first step that uses the assignment solved from a window ending at this step.
   uint64_t effective_step(uint64_t window_last_step) const { return window_last_step + settings_.switch_lag; }
 
  private:
+  // Calls block(from, to) for each run of consecutive probe steps in 1..step, in order.
+  template <typename Block>
+  void for_each_probe_block(uint64_t step, Block&& block) const;
   ScheduleSettings settings_;
 };
 

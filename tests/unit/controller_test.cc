@@ -296,7 +296,21 @@ double step(std::vector<float>& r, const std::vector<float>& g, size_t k, bool k
 }
 }  // namespace topk_run
 
-BOOST_AUTO_TEST_CASE(topk_predictions_follow_the_residuals_growth) {
+// A layer-epoch of a forced TopK run: the densities (indices) it moved from and to, and
+// its realized error over the prediction.
+struct TopkEpoch {
+  std::string layer;
+  uint64_t epoch;
+  uint32_t from, to;
+  double ratio;
+};
+
+// Two layers of 8192 values (gaussian, and log-normal scales per element: a heavy tail)
+// under TopK with error feedback at densities 0.2%, 1% and 10% (the default 10%), each
+// step's gradient fresh noise; the controller's solves are replaced by the `forced`
+// choices, one per epoch (the last repeated). Every candidate's error is measured as the
+// engine does: on the gradient alone, on the real state, and in shadows of its own.
+std::vector<TopkEpoch> run_forced_topk(ControllerSettings settings, const std::vector<std::vector<uint32_t>>& forced) {
   constexpr size_t kNumel = 8192;
   const std::vector<double> densities{0.002, 0.01, 0.1};
   std::vector<Layer> layers;
@@ -306,10 +320,7 @@ BOOST_AUTO_TEST_CASE(topk_predictions_follow_the_residuals_growth) {
       layer.candidates.push_back({"topk:density=" + std::to_string(d), static_cast<uint64_t>(8 * d * kNumel), 0});
     layers.push_back(std::move(layer));
   }
-  const std::vector<std::vector<uint32_t>> forced{{1, 0}, {0, 0}, {0, 1}, {0, 2}, {2, 0}, {0, 0}, {1, 1}, {1, 0}};
   size_t solves = 0;  // the solver thread's alone
-  ControllerSettings settings = small_schedule(20, 20, 4, 2);
-  settings.schedule.probe_lead = 6;
   settings.budget_loop = false;
   Controller controller(settings, layers, [&](const Problem&, const controller::SolverOptions&) {
     controller::Solution s;
@@ -328,31 +339,27 @@ BOOST_AUTO_TEST_CASE(topk_predictions_follow_the_residuals_growth) {
   std::vector<std::vector<std::vector<float>>> shadow(2, std::vector<std::vector<float>>(C, real[0]));
   ErrorStats stats = controller.new_stats();
   std::shared_ptr<const Assignment> in_effect;
+  std::vector<uint32_t> before{2, 2};  // the choices of the epoch before the one in effect
   std::vector<double> realized(2, 0);
   uint64_t steps = 0;
-  std::string trace;
-  size_t judged = 0;
-  std::vector<std::vector<double>> log_ratio(densities.size());  // per density
+  std::vector<TopkEpoch> epochs;
   const auto judge = [&] {
-    if (!in_effect || in_effect->epoch == 0 || steps == 0) return;
+    if (!in_effect || steps == 0) return;
     for (size_t l = 0; l < 2; ++l) {
-      const double ratio = realized[l] / static_cast<double>(steps) / in_effect->predicted[l];
-      trace += " " + std::string(layers[l].name) + "@" + std::to_string(densities[in_effect->choices[l]]) + ":" +
-               std::to_string(ratio);
-      BOOST_TEST((ratio >= 0.7 && ratio <= 1.35), "epoch " << in_effect->epoch << " layer " << layers[l].name
-                                                           << " at density " << densities[in_effect->choices[l]]
-                                                           << ": realized / predicted " << ratio);
-      log_ratio[in_effect->choices[l]].push_back(std::log(ratio));
-      ++judged;
+      if (in_effect->epoch > 0)
+        epochs.push_back({layers[l].name, in_effect->epoch, before[l], in_effect->choices[l],
+                          realized[l] / static_cast<double>(steps) / in_effect->predicted[l]});
+      before[l] = in_effect->choices[l];
     }
   };
-  for (uint64_t step = 1; step < 20 + 20 * forced.size(); ++step) {
+  const auto& schedule = controller.schedule();
+  const uint64_t last = schedule.settings().warmup + schedule.settings().period * forced.size();
+  for (uint64_t step = 1; step < last; ++step) {
     auto a = controller.assignment_for_step(step);
     if (a != in_effect) {
       judge();
       in_effect = a, realized.assign(2, 0), steps = 0;
     }
-    const auto& schedule = controller.schedule();
     for (size_t l = 0; l < 2; ++l) {
       std::vector<float> g(kNumel);
       double magnitude = 0;
@@ -383,18 +390,73 @@ BOOST_AUTO_TEST_CASE(topk_predictions_follow_the_residuals_growth) {
     }
   }
   judge();
+  return epochs;
+}
+
+std::string trace_of(const std::vector<TopkEpoch>& epochs) {
+  const char* density[] = {"0.2%", "1%", "10%"};
+  std::string trace;
+  for (const TopkEpoch& e : epochs)
+    trace += " " + e.layer + "@" + density[e.from] + "->" + density[e.to] + ":" + std::to_string(e.ratio);
+  return trace;
+}
+
+// The geometric mean of the ratios of the epochs `select` takes (1 where none).
+template <typename Select>
+double geometric_mean(const std::vector<TopkEpoch>& epochs, Select select) {
+  double sum = 0;
+  size_t n = 0;
+  for (const TopkEpoch& e : epochs)
+    if (select(e)) sum += std::log(e.ratio), ++n;
+  return n ? std::exp(sum / static_cast<double>(n)) : 1.0;
+}
+
+BOOST_AUTO_TEST_CASE(topk_predictions_follow_the_residuals_growth) {
+  ControllerSettings settings = small_schedule(20, 20, 4, 2);
+  settings.schedule.probe_lead = 6;
+  const std::vector<std::vector<uint32_t>> forced{{1, 0}, {0, 0}, {0, 1}, {0, 2}, {2, 0}, {0, 0}, {1, 1}, {1, 0}};
+  const std::vector<TopkEpoch> epochs = run_forced_topk(settings, forced);
+  const std::string trace = trace_of(epochs);
   BOOST_TEST_MESSAGE("TopK realized / predicted per epoch:" << trace);
-  BOOST_TEST(judged >= 2 * (forced.size() - 1));
+  BOOST_TEST(epochs.size() >= 2 * (forced.size() - 1));
   // Per density over its layer-epochs (the demo's criterion), the geometric mean within
-  // 15%; a single epoch of the heavy-tailed layer within [0.7, 1.35] (above).
+  // 15%; a single epoch of the heavy-tailed layer within [0.7, 1.35].
   BOOST_TEST_CONTEXT("realized / predicted per epoch:" << trace) {
-    for (size_t c = 0; c < densities.size(); ++c) {
-      if (log_ratio[c].empty()) continue;
-      double sum = 0;
-      for (double r : log_ratio[c]) sum += r;
-      const double mean = std::exp(sum / static_cast<double>(log_ratio[c].size()));
-      BOOST_TEST((mean >= 0.85 && mean <= 1.15), "density " << densities[c] << ": " << mean);
+    for (const TopkEpoch& e : epochs)
+      BOOST_TEST((e.ratio >= 0.7 && e.ratio <= 1.35), "epoch " << e.epoch << " layer " << e.layer << ": " << e.ratio);
+    for (uint32_t c = 0; c < 3; ++c) {
+      const double mean = geometric_mean(epochs, [&](const TopkEpoch& e) { return e.to == c; });
+      BOOST_TEST((mean >= 0.85 && mean <= 1.15), "density index " << c << ": " << mean);
     }
+  }
+}
+
+// The demo's schedule (5-step epochs from 2-step windows, switch lag 2): a TopK state is
+// young at every switch, and from the window to the switch it goes on piling up under the
+// density in effect for 2.5 steps, a large share of its age. Moves between densities must
+// be predicted from the state the switch hands over (Controller::state_growth_to_switch).
+// Measured at the window, they realized 1.15-1.45 of their prediction in the demo; here
+// (seeds 1-10) the moves' geometric mean was 1.078-1.096 and single moves reached
+// 1.32-1.42; from the state at the switch 0.999-1.012, single moves at most 1.14-1.20.
+BOOST_AUTO_TEST_CASE(topk_moves_are_predicted_from_the_state_at_the_switch) {
+  ControllerSettings settings = small_schedule(5, 5, 2, 2);
+  settings.schedule.probe_lead = 10;
+  const std::vector<std::vector<uint32_t>> forced{{0, 0}, {1, 1}, {0, 1}, {1, 0}, {1, 1}, {0, 0},
+                                                  {0, 1}, {1, 1}, {1, 0}, {0, 0}, {1, 1}, {0, 1}};
+  const std::vector<TopkEpoch> epochs = run_forced_topk(settings, forced);
+  const std::string trace = trace_of(epochs);
+  BOOST_TEST_MESSAGE("TopK realized / predicted per epoch:" << trace);
+  BOOST_TEST_CONTEXT("realized / predicted per epoch:" << trace) {
+    const auto between_sparse = [](const TopkEpoch& e) { return e.from != 2 && e.epoch > 1; };
+    const double moves =
+        geometric_mean(epochs, [&](const TopkEpoch& e) { return between_sparse(e) && e.from != e.to; });
+    const double stays =
+        geometric_mean(epochs, [&](const TopkEpoch& e) { return between_sparse(e) && e.from == e.to; });
+    BOOST_TEST((moves >= 0.94 && moves <= 1.05), "moves between 0.2% and 1%: " << moves);
+    for (const TopkEpoch& e : epochs)
+      if (between_sparse(e) && e.from != e.to)
+        BOOST_TEST(e.ratio <= 1.28, "epoch " << e.epoch << " layer " << e.layer << ": " << e.ratio);
+    BOOST_TEST((stays >= 0.85 && stays <= 1.15), "stays at 0.2% or 1%: " << stays);
   }
 }
 

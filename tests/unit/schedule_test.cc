@@ -1,7 +1,9 @@
 // When the controller measures, solves and switches, over simulated step sequences.
 #include "controller/schedule.h"
 
+#include <algorithm>
 #include <boost/test/unit_test.hpp>
+#include <cmath>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -145,6 +147,45 @@ BOOST_AUTO_TEST_CASE(the_shadow_age_counts_the_probe_steps_since_step_1) {
   BOOST_TEST(defaults.first_lead_middle() == 85.5);  // steps 80..89, counted from 1
   BOOST_TEST(defaults.shadow_age(99) == 15.5);   // probes 80..99, window 90..99
   BOOST_TEST(defaults.shadow_age(199) == 35.5);  // and 180..199
+}
+
+// The shadows' age with each probe step weighed: the sum of the weights of the probe
+// steps through the window's last, as probes() finds them one by one, less the window's
+// half-length as shadow_age; weight 1 is shadow_age. The runs of probe steps are asked
+// for in order, each a run of consecutive probe steps.
+BOOST_AUTO_TEST_CASE(a_weighted_shadow_age_sums_the_probe_steps_weights) {
+  std::mt19937_64 rng(test::run_seed());
+  std::uniform_real_distribution<double> uniform(0.125, 8.0);
+  std::vector<double> table(400);
+  for (double& w : table) w = uniform(rng);
+  for (int i = 0; i < 200; ++i) {
+    const ScheduleSettings set = random_settings(rng, true);
+    const Schedule s(set);
+    BOOST_TEST_CONTEXT("warmup " << set.warmup << " period " << set.period << " window " << set.window << " lead "
+                                 << set.probe_lead) {
+      for (uint64_t end = 1; end < 300; ++end) {
+        if (!s.window_ends(end)) continue;
+        const uint64_t first = end + 1 > set.window ? end + 1 - set.window : 1;
+        double sum = 0;
+        for (uint64_t step = 1; step <= end; ++step)
+          if (s.probes(step)) sum += table[step + 1];
+        double last = 0;
+        bool runs_of_probe_steps = true;
+        const double got = s.weighted_shadow_age(end, [&](double a, double b) {
+          double run = 0;
+          for (double t = a; t <= b; ++t) {
+            runs_of_probe_steps = runs_of_probe_steps && t > last && s.probes(static_cast<uint64_t>(t) - 1);
+            last = t;
+            run += table[static_cast<size_t>(t)];
+          }
+          return run;
+        });
+        BOOST_TEST(got == sum - (static_cast<double>(end - first + 1) - 1) / 2, boost::test_tools::tolerance(1e-12));
+        BOOST_TEST(runs_of_probe_steps);
+        BOOST_TEST(s.weighted_shadow_age(end, [](double a, double b) { return b - a + 1; }) == s.shadow_age(end));
+      }
+    }
+  }
 }
 
 BOOST_AUTO_TEST_CASE(invalid_settings_are_named) {
