@@ -324,6 +324,10 @@ void Controller::update_loop(const WindowReading& r) {
 double Controller::window_middle(uint64_t last) const {
   return static_cast<double>(last) + 1 - (static_cast<double>(settings_.schedule.window) - 1) / 2;
 }
+double Controller::epoch_middle(uint64_t last) const {
+  const ScheduleSettings& s = settings_.schedule;
+  return static_cast<double>(last) + 1 + static_cast<double>(s.switch_lag) + (static_cast<double>(s.period) - 1) / 2;
+}
 
 std::vector<double> Controller::drift_of(const ErrorStats& stats, uint64_t window_last) const {
   std::vector<double> drift(layers_.size(), 1.0);
@@ -331,11 +335,9 @@ std::vector<double> Controller::drift_of(const ErrorStats& stats, uint64_t windo
   // engine measures the magnitude there), if it had any.
   const bool first = last_middle_ <= 0;
   const double before_middle = first ? schedule_.first_lead_middle() : last_middle_;
-  const ScheduleSettings& s = settings_.schedule;
   const double now = window_middle(window_last);
   if (!(before_middle > 0) || !(before_middle < now)) return drift;
-  const double epoch = static_cast<double>(window_last) + 1 + static_cast<double>(s.switch_lag) +
-                       (static_cast<double>(s.period) - 1) / 2;
+  const double epoch = epoch_middle(window_last);
   // The gradient's scale as a power of the step: its exponent from the last two windows,
   // carried on to the epoch's middle.
   const double h = std::log(epoch / now) / std::log(now / before_middle);
@@ -427,10 +429,7 @@ void Controller::record_energies(const Job& job) {
 // The mean over the `count` steps from `first` after the switch (0: the switch step).
 double Controller::mean_error(const Transient& x, uint64_t first, uint64_t count) {
   const double a = static_cast<double>(first), n = static_cast<double>(std::max<uint64_t>(count, 1));
-  const std::string_view family = codec_family(x.codec);
-  // PowerSGD only where its shadows measured the curve (x.age): without the low-rank
-  // probe its estimate is one step's, held as it is.
-  if ((family == "topk" || (family == "powersgd" && x.age > 0)) && x.now > 0 && x.fresh > 0) {
+  if (x.on_growth_curve()) {
     const TopkGrowth growth(x.fresh, x.steady, x.age);
     if (x.ageing == 0 && x.now > x.steady && growth.rate < 1)
       // From a state older than its own (a sparser codec's): the excess drains at the
@@ -458,6 +457,13 @@ double Controller::mean_error(const Transient& x, uint64_t first, uint64_t count
   if (codec_family(x.codec) == "quant" && x.state_family != "quant" && x.now > x.steady)
     rate = std::min(rate, 1 / quant_levels(x.codec));
   return relaxed_mean(x.steady, x.now, rate, a, n);
+}
+
+bool Controller::Transient::on_growth_curve() const {
+  // PowerSGD only where its shadows measured the curve (age): without the low-rank probe
+  // its estimate is one step's, held as it is.
+  const std::string_view family = codec_family(codec);
+  return (family == "topk" || (family == "powersgd" && age > 0)) && now > 0 && fresh > 0;
 }
 
 double Controller::Transient::energy_steps(double steps) const {
@@ -490,8 +496,7 @@ Controller::Transient Controller::transient_of(const Job& job, size_t layer, uin
   x.window_t = window_middle(job.window_last_step);
   if (layer < drift_.size() && drift_[layer] > 0 && std::isfinite(drift_[layer])) {
     x.drift = drift_[layer];
-    const double epoch = static_cast<double>(job.window_last_step) + 1 + static_cast<double>(s.switch_lag) +
-                         (static_cast<double>(s.period) - 1) / 2;
+    const double epoch = epoch_middle(job.window_last_step);
     if (epoch > x.window_t) x.energy_exponent = std::log(x.drift) / std::log(epoch / x.window_t);
   }
   // `current` and `measured` weigh the ranks' errors as independent; TopK's are not (the
@@ -543,8 +548,7 @@ Controller::Transient Controller::transient_of(const Job& job, size_t layer, uin
 // error says, on by its `ageing` (1 for a codec without a measured curve).
 double Controller::state_growth_to_switch(const Job& job, size_t layer) const {
   const Transient e = transient_of(job, layer, in_effect_[layer]);
-  const std::string_view family = codec_family(e.codec);
-  if (!(family == "topk" || (family == "powersgd" && e.age > 0)) || !(e.now > 0) || !(e.fresh > 0)) return 1;
+  if (!e.on_growth_curve()) return 1;
   const TopkGrowth growth(e.fresh, e.steady, e.age);
   const double k = growth.age_of(e.now), before = growth.at(k), after = growth.at(k + e.energy_steps(e.ageing));
   return before > 0 && after > before && std::isfinite(after / before) ? after / before : 1;

@@ -238,6 +238,8 @@ class Controller {
     double lag = 0;
     // The steps [0, s) after the window's middle in steps of its gradient's energy.
     double energy_steps(double s) const;
+    // Whether its error follows TopkGrowth (TopK; PowerSGD where shadows measured it).
+    bool on_growth_curve() const;
     std::string state_family;  // of the codec in effect, whose residual the state holds
   };
   Transient transient_of(const Job& job, size_t layer, uint32_t candidate) const;
@@ -251,6 +253,7 @@ class Controller {
   double state_growth_to_switch(const Job& job, size_t layer) const;
   mutable std::optional<double> pooled_topk_correlation_;  // per window; solver thread only
   double window_middle(uint64_t last) const;
+  double epoch_middle(uint64_t last) const;
   std::shared_ptr<const Assignment> solve_job(const Job& job);  // never throws
   std::shared_ptr<const Assignment> solve_and_log(const Job& job, const WindowReading& reading,
                                                   std::span<const double> drift, std::span<const double> scale);

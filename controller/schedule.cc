@@ -66,18 +66,13 @@ uint64_t Schedule::probe_steps_through(uint64_t step) const {
 }
 
 double Schedule::shadow_age(uint64_t window_last_step) const {
-  const ScheduleSettings& s = settings_;
-  // The window's steps, clipped to 1.. as the first window is.
-  const uint64_t first = window_last_step + 1 > s.window ? window_last_step + 1 - s.window : 1;
-  if (window_last_step < first) return 0;
-  const uint64_t steps = window_last_step - first + 1;
-  // Every window step probes, so the ages over the window rise by one per step.
-  return static_cast<double>(probe_steps_through(window_last_step)) - (static_cast<double>(steps) - 1) / 2;
+  return weighted_shadow_age(window_last_step, [](double a, double b) { return b - a + 1; });
 }
 
 double Schedule::weighted_shadow_age(uint64_t window_last_step,
                                      const std::function<double(double, double)>& run_weight) const {
   const ScheduleSettings& s = settings_;
+  // The window's steps, clipped to 1.. as the first window is.
   const uint64_t first = window_last_step + 1 > s.window ? window_last_step + 1 - s.window : 1;
   if (window_last_step < first) return 0;
   const uint64_t steps = window_last_step - first + 1;
@@ -85,7 +80,8 @@ double Schedule::weighted_shadow_age(uint64_t window_last_step,
   for_each_probe_block(window_last_step, [&](uint64_t from, uint64_t to) {
     sum += run_weight(static_cast<double>(from) + 1, static_cast<double>(to) + 1);
   });
-  // Over the window's steps, as shadow_age: the steps after the middle are younger.
+  // Every window step probes, so the ages over the window rise by one per step: their
+  // mean is the age at the last less half the window.
   return sum - (static_cast<double>(steps) - 1) / 2;
 }
 
