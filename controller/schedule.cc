@@ -45,17 +45,17 @@ template <typename Block>
 void Schedule::for_each_probe_block(uint64_t step, Block&& block) const {
   const ScheduleSettings& s = settings_;
   // Window k ends at last_k = warmup - 1 + k period; the steps after last_{k-1} up to
-  // last_k that probe are the last window + probe_lead of them (clipped to 1.., as the
-  // first window is).
-  uint64_t after = 0;  // steps <= after are done
-  for (uint64_t k = 0; after < step; ++k) {
+  // last_k that probe are the last window + probe_lead of them (the first window clipped
+  // to 1.., its lead to 0..).
+  uint64_t next = 0;  // the first step not yet counted
+  for (uint64_t k = 0; next <= step; ++k) {
     const uint64_t last = s.warmup - 1 + k * s.period;
     const uint64_t first_window = k == 0 ? std::max<uint64_t>(1, s.warmup > s.window ? s.warmup - s.window : 1)
                                          : last - s.window + 1;
-    const uint64_t from = std::max({after + 1, first_window > s.probe_lead ? first_window - s.probe_lead : 1, uint64_t{1}});
+    const uint64_t from = std::max(next, first_window > s.probe_lead ? first_window - s.probe_lead : 0);
     const uint64_t to = std::min(last, step);
     if (to >= from) block(from, to);
-    after = last;
+    next = last + 1;
   }
 }
 

@@ -43,7 +43,8 @@ class Schedule {
   const ScheduleSettings& settings() const { return settings_; }
   // Whether candidate errors are measured at this step.
   bool measures(uint64_t step) const;
-  // Whether the error probe runs at this step: a window's steps and the probe_lead before.
+  // Whether the error probe runs at this step: a window's steps and the probe_lead before
+  // (step 0 too, where the first window's lead reaches it).
   bool probes(uint64_t step) const;
   // Whether this step is in the first window's lead: a probe step before the first window
   // (from step 1). The engine measures the gradient's magnitude there, for the first
@@ -52,9 +53,13 @@ class Schedule {
   // The middle of those steps, counted from 1 as Controller's window middles are; 0 when
   // there are none (no lead, or a first window that starts at step 1).
   double first_lead_middle() const;
-  // How many probe steps there are in 1..step (step 0 never probes: the engine's buckets
-  // are not built yet). The error probe's shadow residuals run from the first probe step
-  // on and persist, so this is their age, in steps of gradient seen, after `step`.
+  // How many probe steps there are in 0..step. The error probe's shadow residuals run
+  // from the first probe step on and persist, so this is their age, in steps of gradient
+  // seen, after `step`: step 0 counts where it probes (an engine whose layout is fixed
+  // from step 0, a registration file or the demo, runs the probe there; counted from 1,
+  // the demo's first TopK shadows held a step more than their age said and read 1.4x
+  // what a TopK started with them made). Under DDP step 0's buckets are not the rebuilt
+  // ones and run no probe; with the default schedule the first probe step is 80.
   uint64_t probe_steps_through(uint64_t step) const;
   // The shadows' mean age over the steps of the window ending at window_last_step.
   double shadow_age(uint64_t window_last_step) const;

@@ -364,6 +364,74 @@ BOOST_AUTO_TEST_CASE(the_independent_sum_shows_how_the_ranks_errors_correlate) {
   }
 }
 
+// TopK's shadows against real TopK runs of the same gradients (a shared part and each
+// rank's noise, Student-t tails, per-row scales), from step 0 as the shadows run here (the
+// first window's lead reaches it), whose gradient is three times the others': what a
+// shadow holds is every step it ran (Schedule::probe_steps_through counts step 0 too).
+// Whole layers: the same arithmetic; a sample of 1/16: within its sampling noise.
+BOOST_AUTO_TEST_CASE(topk_shadows_match_a_real_topk_run_of_the_same_steps) {
+  const uint64_t seed = test::run_seed();
+  const std::vector<CodecSpec> candidates = {quant(4), CodecSpec::parse("topk:density=0.001"),
+                                             CodecSpec::parse("topk:density=0.01")};
+  BucketLayout bucket;
+  for (uint64_t n : {uint64_t{1024 * 192}, uint64_t{1024 * 96}}) {
+    bucket.layers.push_back({"layer" + std::to_string(bucket.layers.size()), bucket.count, n, candidates, 0});
+    bucket.count += n;
+  }
+  std::vector<float> rows(bucket.count / 1024);
+  std::mt19937_64 fixed(seed * 7 + 1);
+  std::normal_distribution<double> normal;
+  for (float& v : rows) v = static_cast<float>(std::exp(0.5 * normal(fixed)));
+  const auto gradient = [&](int rank, uint64_t step) {
+    std::mt19937_64 a(seed ^ (step << 8)), b(seed ^ (uint64_t(rank + 1) << 40) ^ (step << 8));
+    std::student_t_distribution<double> t(3.0);
+    const double scale = step == 0 ? 3.0 : 1.0;
+    std::vector<float> x(bucket.count);
+    for (uint64_t i = 0; i < bucket.count; ++i)
+      x[i] = static_cast<float>(scale * rows[i / 1024] * (std::sqrt(0.4) * t(a) + std::sqrt(0.6) * t(b)));
+    return x;
+  };
+  for (double fraction : {1.0, 1.0 / 16}) {
+    test::PinnedRun run;
+    run.ranks = 4;
+    run.buckets = {bucket};
+    run.steps = 13;
+    run.op = ReduceOp::kAvg;
+    run.input = [&](int r, uint64_t step, uint32_t) { return gradient(r, step); };
+    run.options = [&](int) {
+      EngineOptions o = whole_layer_window(quant(4), candidates, Algorithm::kScatterReduceAllGather, "topk shadows");
+      o.probe.fraction = fraction;
+      return o;
+    };
+    const controller::ErrorStats stats = window_stats_after(run, 12);
+    for (uint32_t c = 1; c < candidates.size(); ++c) {
+      test::PinnedRun real = run;
+      real.on_call = nullptr;
+      for (LayerLayout& l : real.buckets[0].layers) l.candidates = {candidates[c]}, l.default_index = 0;
+      real.options = [&](int) {
+        EngineOptions o = run.options(0);
+        o.mode = config::Mode::kUniform;
+        o.codec = candidates[c];
+        o.candidates = {candidates[c]};
+        return o;
+      };
+      const test::PinnedResult result = test::run_pinned(real);
+      BOOST_TEST_REQUIRE(result.failures.empty(), result.failures.front());
+      for (size_t l = 0; l < bucket.layers.size(); ++l) {
+        double realized = 0;
+        for (uint64_t step = 8; step < 12; ++step) realized += result.error[step][0][l] / 4;
+        const double estimate = stats.mean(l, c);
+        BOOST_TEST_CONTEXT("seed " << seed << ", sampled " << fraction << ", " << candidates[c].str() << ", layer " << l
+                                   << ": estimate " << estimate << ", a real run " << realized) {
+          const double tolerance = fraction == 1.0 ? 1e-3 : 0.1;
+          BOOST_TEST(estimate > (1 - tolerance) * realized);
+          BOOST_TEST(estimate < (1 + tolerance) * realized);
+        }
+      }
+    }
+  }
+}
+
 // Matrix layers whose gradient is a shared low-rank signal under per-rank noise: what
 // PowerSGD's residual piles up (the noise and the weaker directions) only shows once the
 // candidate has run under its own error feedback for a while.

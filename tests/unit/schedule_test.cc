@@ -110,17 +110,20 @@ BOOST_AUTO_TEST_CASE(the_probe_runs_in_each_window_and_its_lead) {
   BOOST_TEST(probed.back() == 299u);
 }
 
-// The shadows' age: the probe steps from 1 on, counted one by one with probes(); over a
-// window, their mean.
-BOOST_AUTO_TEST_CASE(the_shadow_age_counts_the_probe_steps_since_step_1) {
+// The shadows' age: the probe steps from 0 on, counted one by one with probes(); over a
+// window, their mean. Step 0 counts where it probes: a layout fixed from step 0 (the demo)
+// runs the probe there, and the demo's first TopK shadows, counted from 1, held a step
+// more than their age said.
+BOOST_AUTO_TEST_CASE(the_shadow_age_counts_the_probe_steps_since_step_0) {
   std::mt19937_64 rng(test::run_seed());
   for (int i = 0; i < 200; ++i) {
     const ScheduleSettings set = random_settings(rng, true);
     const Schedule s(set);
     BOOST_TEST_CONTEXT("warmup " << set.warmup << " period " << set.period << " window " << set.window << " lead "
                                  << set.probe_lead) {
-      uint64_t count = 0;
-      std::vector<uint64_t> through(1, 0);  // through[t]: probe steps in 1..t
+      uint64_t count = s.probes(0) ? 1 : 0;
+      std::vector<uint64_t> through(1, count);  // through[t]: probe steps in 0..t
+      BOOST_TEST(s.probe_steps_through(0) == count);
       for (uint64_t step = 1; step < 300; ++step) {
         count += s.probes(step) ? 1 : 0;
         through.push_back(count);
@@ -147,6 +150,9 @@ BOOST_AUTO_TEST_CASE(the_shadow_age_counts_the_probe_steps_since_step_1) {
   BOOST_TEST(defaults.first_lead_middle() == 85.5);  // steps 80..89, counted from 1
   BOOST_TEST(defaults.shadow_age(99) == 15.5);   // probes 80..99, window 90..99
   BOOST_TEST(defaults.shadow_age(199) == 35.5);  // and 180..199
+  const Schedule demo(ScheduleSettings{5, 5, 2, 2, 10});
+  BOOST_TEST(demo.probes(0));
+  BOOST_TEST(demo.shadow_age(4) == 4.5);  // probes 0..4 (the lead reaches step 0), window 3..4
 }
 
 // The shadows' age with each probe step weighed: the sum of the weights of the probe
@@ -167,7 +173,7 @@ BOOST_AUTO_TEST_CASE(a_weighted_shadow_age_sums_the_probe_steps_weights) {
         if (!s.window_ends(end)) continue;
         const uint64_t first = end + 1 > set.window ? end + 1 - set.window : 1;
         double sum = 0;
-        for (uint64_t step = 1; step <= end; ++step)
+        for (uint64_t step = 0; step <= end; ++step)
           if (s.probes(step)) sum += table[step + 1];
         double last = 0;
         bool runs_of_probe_steps = true;
