@@ -18,11 +18,15 @@
 // and aims at alpha_eff = alpha / B, so that the realized error (B x the prediction) fits
 // alpha x the default's:
 //   b > 1.02 B:    B = b                 (under-predicted: corrected at once; and if the
-//                                         budget was overspent, alpha_eff also at most the
+//                                         epoch overspent, alpha_eff also at most the
 //                                         alpha that overspent over the overspend)
 //   b < B / 1.02:  B = sqrt(B b)         (over-predicted: given back halfway)
 //   otherwise:     unchanged             (the dead band)
-// alpha_eff follows its aim down at once and up by at most 1% per window. The bias
+// The epoch's overspend is the window's realized error carried to the epoch by the
+// forecast's own shape (its mean over the epoch over its mean over the window) over the
+// budget: the window lies late in the epoch, where a TopK transient is above its mean.
+// alpha_eff follows its aim down at once and up by at most max(1%, half the epoch's
+// headroom) per window. The bias
 // depends on the assignment (a model may err on the narrow codecs only): given back at
 // once, alpha_eff would climb until they return, overspend again and swing; rising
 // slowly, it comes back to such a cliff tens of windows later, by a step.
@@ -108,6 +112,9 @@ struct ControllerSettings {
 struct WindowReading {
   double realized = 0;   // the assignment in effect, as it ran
   double predicted = 0;  // the same assignment, as the statistics predict it
+  // The same prediction over the whole epoch (what the budget bounds): its ratio to
+  // `predicted` carries the window's reading to the epoch (update_loop).
+  double epoch_predicted = 0;
   double budget = 0;     // alpha x the defaults' predicted error
 };
 
@@ -236,6 +243,9 @@ class Controller {
     double window_t = 0, energy_exponent = 0, drift = 1;
     // The steps from the window's middle to the switch (the codec in effect's `ageing`).
     double lag = 0;
+    // On a state that another codec which holds values back left: the share of it the
+    // candidate keeps per step (transient_of; 0: not measured).
+    double keeps = 0;
     // The steps [0, s) after the window's middle in steps of its gradient's energy.
     double energy_steps(double s) const;
     // Whether its error follows TopkGrowth (TopK; PowerSGD where shadows measured it).

@@ -463,6 +463,62 @@ BOOST_AUTO_TEST_CASE(topk_moves_are_predicted_from_the_state_at_the_switch) {
   }
 }
 
+// The loop's window lies late in the epoch. A TopK layer's error rises through the epoch,
+// so the window reads above the epoch's mean, and above the budget that the epoch's mean
+// meets. The loop must judge the epoch's overspend by the window carried to the epoch
+// (the forecast's own shape), not the window's raw reading: the demo's first TopK epoch
+// realized 0.99 of the uniform run's error, its window 1.20 of the budget, and alpha_eff
+// went to 0.84. Here: one layer moved from 4 bits to TopK, whose error grows linearly (its
+// shadow 4.5x its fresh error at age 4.5), forecast at 6 over the epoch and 7 over the
+// window's steps; another at 8 bits; the budget 6.5; the window realizes 1.04x its
+// forecast. alpha_eff must be 1 / 1.04 (the bias), not 6.5 / 7.3 (the code before: 0.890).
+BOOST_AUTO_TEST_CASE(the_loop_judges_the_epoch_not_the_late_window) {
+  const uint64_t numel = 1 << 16;
+  Layer rising{"rising", numel, 0, {}}, settled{"settled", numel, 0, {}};
+  rising.candidates = {{"quant:bits=4", tools::quant_encoded_bytes(numel, 4), 0},
+                       {"topk:density=0.001", static_cast<uint64_t>(8 * 0.001 * numel), 0}};
+  settled.candidates = {{"quant:bits=4", tools::quant_encoded_bytes(numel, 4), 0},
+                        {"quant:bits=8", tools::quant_encoded_bytes(numel, 8), 0}};
+  const std::vector<Layer> layers{rising, settled};
+  ControllerSettings settings = small_schedule(5, 5, 2, 2);  // the demo's
+  settings.schedule.probe_lead = 10;
+  Controller controller(settings, layers, [](const Problem&, const controller::SolverOptions&) {
+    controller::Solution s;
+    s.choices = {1, 1};  // TopK, 8 bits
+    return s;
+  });
+  const double a4 = 0.5, b4 = 6.0, b8 = b4 / 289;  // 4 and 8 bits: (2^bits - 1)^-2
+  const double bias = 1.04;
+  const auto add = [&](ErrorStats& stats, size_t layer, std::vector<double> errors, std::vector<double> shadow,
+                       std::vector<double> current, double realized) {
+    ErrorStats::Sample sample;
+    sample.measured = errors, sample.reference = errors, sample.simulated = shadow, sample.current = current;
+    sample.realized = realized, sample.magnitude = 100;
+    BOOST_TEST_REQUIRE(stats.add(layer, sample));
+  };
+  ErrorStats stats = controller.new_stats();
+  for (uint64_t step = 3; step <= 4; ++step) {  // the first window; the shadows from step 0
+    const double age = static_cast<double>(step + 1);
+    add(stats, 0, {a4, 2.0}, {a4, 2.0 * age}, {a4, 2.0}, a4);
+    add(stats, 1, {b4, b8}, {b4, b8}, {b4, b8}, b4);
+  }
+  controller.submit(4, stats);
+  const auto first = controller.assignment_for_step(6);
+  BOOST_TEST_REQUIRE(first->epoch == 1u);
+  BOOST_TEST(first->predicted[0] == 6.0, boost::test_tools::tolerance(1e-6));  // 2 (t + 1), t = 0..4
+  BOOST_TEST(first->alpha_eff == 1.0);
+  stats.clear();
+  for (uint64_t step = 8; step <= 9; ++step) {  // TopK's steps 3 and 4 after the switch: 6, 8
+    const double age = static_cast<double>(step + 1), held = static_cast<double>(step - 5);
+    add(stats, 0, {a4, 2.0}, {a4, 2.0 * age}, {a4, 2.0 * held}, bias * 2.0 * held);
+    add(stats, 1, {b4, b8}, {b4, b8}, {b4, b8}, bias * b8);
+  }
+  controller.submit(9, stats);
+  const auto second = controller.assignment_for_step(11);
+  BOOST_TEST_REQUIRE(second->epoch == 2u);
+  BOOST_TEST(second->alpha_eff == 1 / bias, boost::test_tools::tolerance(1e-3));
+}
+
 // The first solve has no window before it: its drift compares the window's magnitude
 // with its lead's (Schedule::first_lead_middle), as a power of the step carried to the
 // epoch's middle; without lead magnitudes none.
