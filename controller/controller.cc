@@ -446,7 +446,7 @@ double Controller::mean_error(const Transient& x, uint64_t first, uint64_t count
   const double a = static_cast<double>(first), n = static_cast<double>(std::max<uint64_t>(count, 1));
   if (x.on_growth_curve()) {
     const TopkGrowth growth(x.fresh, x.steady, x.age);
-    if (x.ageing == 0 && growth.geometric && x.now > growth.ceiling())
+    if (x.ageing == 0 && x.now > growth.ceiling())
       // From a state above what the codec's own residual ever reaches (a much sparser
       // codec's): the excess drains, toward that ceiling, at the rate of the codec's own
       // saturation or more slowly as the state says (`keeps`). Below the ceiling the state

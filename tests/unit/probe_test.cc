@@ -63,6 +63,24 @@ controller::ErrorStats window_stats_after(test::PinnedRun run, uint64_t step) {
   return *stats;
 }
 
+// A real run of `run`'s gradients with every layer at `codec` (uniform mode, error feedback
+// as `run` has it): what the probe's shadows of that codec simulate.
+test::PinnedResult real_run_at(const test::PinnedRun& run, const CodecSpec& codec) {
+  test::PinnedRun uniform = run;
+  uniform.on_call = nullptr;
+  for (LayerLayout& l : uniform.buckets[0].layers) l.candidates = {codec}, l.default_index = 0;
+  uniform.options = [options = run.options, codec](int rank) {
+    EngineOptions o = options(rank);
+    o.mode = config::Mode::kUniform;
+    o.codec = codec;
+    o.candidates = {codec};
+    return o;
+  };
+  test::PinnedResult result = test::run_pinned(uniform);
+  BOOST_TEST_REQUIRE(result.failures.empty(), result.failures.front());
+  return result;
+}
+
 BOOST_AUTO_TEST_SUITE(probe)
 
 BOOST_AUTO_TEST_CASE(gather_copies_scales_accumulates_and_clips) {
@@ -296,18 +314,7 @@ BOOST_AUTO_TEST_CASE(shadows_give_each_candidate_its_own_steady_state_error) {
   };
   const controller::ErrorStats stats = window_stats_after(run, 12);
   for (int bits : {2, 3, 4, 6}) {
-    test::PinnedRun uniform = run;
-    uniform.on_call = nullptr;
-    for (LayerLayout& l : uniform.buckets[0].layers) l.candidates = {quant(bits)}, l.default_index = 0;
-    uniform.options = [&](int) {
-      EngineOptions o = run.options(0);
-      o.mode = config::Mode::kUniform;
-      o.codec = quant(bits);
-      o.candidates = {quant(bits)};
-      return o;
-    };
-    const test::PinnedResult real = test::run_pinned(uniform);
-    BOOST_TEST_REQUIRE(real.failures.empty(), real.failures.front());
+    const test::PinnedResult real = real_run_at(run, quant(bits));
     for (size_t l = 0; l < bucket.layers.size(); ++l) {
       double realized = 0;
       for (uint64_t step = 8; step < 12; ++step) realized += real.error[step][0][l] / 4;
@@ -405,18 +412,7 @@ BOOST_AUTO_TEST_CASE(topk_shadows_match_a_real_topk_run_of_the_same_steps) {
     };
     const controller::ErrorStats stats = window_stats_after(run, 12);
     for (uint32_t c = 1; c < candidates.size(); ++c) {
-      test::PinnedRun real = run;
-      real.on_call = nullptr;
-      for (LayerLayout& l : real.buckets[0].layers) l.candidates = {candidates[c]}, l.default_index = 0;
-      real.options = [&](int) {
-        EngineOptions o = run.options(0);
-        o.mode = config::Mode::kUniform;
-        o.codec = candidates[c];
-        o.candidates = {candidates[c]};
-        return o;
-      };
-      const test::PinnedResult result = test::run_pinned(real);
-      BOOST_TEST_REQUIRE(result.failures.empty(), result.failures.front());
+      const test::PinnedResult result = real_run_at(run, candidates[c]);
       for (size_t l = 0; l < bucket.layers.size(); ++l) {
         double realized = 0;
         for (uint64_t step = 8; step < 12; ++step) realized += result.error[step][0][l] / 4;
@@ -501,18 +497,7 @@ BOOST_AUTO_TEST_CASE(lowrank_shadows_give_powersgd_its_own_steady_state_error) {
       run.options = options;
       const controller::ErrorStats stats = window_stats_after(run, 24);
       for (uint32_t c = 1; c < m.candidates.size(); ++c) {
-        test::PinnedRun uniform = run;
-        uniform.on_call = nullptr;
-        for (LayerLayout& l : uniform.buckets[0].layers) l.candidates = {m.candidates[c]}, l.default_index = 0;
-        uniform.options = [&](int) {
-          EngineOptions o = options(0);
-          o.mode = config::Mode::kUniform;
-          o.codec = m.candidates[c];
-          o.candidates = {m.candidates[c]};
-          return o;
-        };
-        const test::PinnedResult real = test::run_pinned(uniform);
-        BOOST_TEST_REQUIRE(real.failures.empty(), real.failures.front());
+        const test::PinnedResult real = real_run_at(run, m.candidates[c]);
         for (size_t l = 0; l < m.bucket.layers.size(); ++l) {
           double realized = 0;
           for (uint64_t step = 20; step < 24; ++step) realized += real.error[step][0][l] / 4;
