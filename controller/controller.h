@@ -131,6 +131,10 @@ struct Assignment {
   bool kept_defaults = false;
   WindowReading window;           // of the window it was solved from
   std::vector<double> drift;      // per layer: the factor its errors were extrapolated by
+  // Per layer: the default's error per step the budget allowed over the epoch (its
+  // estimate pooled over the last windows, budget_factors; times the drift); 0 where the
+  // layer was not measured. What the uniform run's error is to be judged against.
+  std::vector<double> budget;
   // Per layer: the mean error per step the solve predicted for its choice over the epoch
   // (the estimate carried through the switch's transient, times the drift); 0 where the
   // layer was not measured. What the realized error of the epoch is to be judged against.
@@ -204,6 +208,7 @@ class Controller {
     std::vector<std::vector<uint32_t>> index;
     std::vector<uint8_t> measured;
     std::vector<double> relative_bound;
+    std::vector<double> budget;  // per layer, the default's steady error the budget rests on (0: not measured)
   };
   void cap_relative_errors(Built& built) const;
   // The factor from a layer's squared error in the window to the metric's error over the
@@ -219,6 +224,11 @@ class Controller {
   // error x numel / magnitude^2 of the window (0 where no magnitude was measured).
   double relative_of(const ErrorStats& stats, size_t layer, double error) const;
   std::vector<double> drift_of(const ErrorStats& stats, uint64_t window_last) const;
+  // The budget's estimate of each default's error (controller.cc, budget_factors): this
+  // window's over its energy, pooled with the windows before, over the kBudgetSteps steps
+  // they measured at least; per layer, the factor from the window's own estimate to it.
+  void record_defaults(const ErrorStats& stats);
+  std::vector<double> budget_factors(const ErrorStats& stats) const;
   struct EnergyPoint {
     double t, energy;  // a window's (or the first lead's) middle, counted from 1; magnitude^2
   };
@@ -297,6 +307,14 @@ class Controller {
   std::vector<std::vector<EnergyPoint>> energy_history_;
   std::vector<double> shadow_age_;
   std::vector<double> drift_;  // per layer, the epoch's (drift_of), set with shadow_age_
+  // Per layer, the default's error and the gradient's energy of the last windows
+  // (record_defaults), and the factors from the window being solved to their pool.
+  struct DefaultPoint {
+    double error, energy;
+  };
+  static constexpr uint64_t kBudgetSteps = 8;
+  std::vector<std::deque<DefaultPoint>> default_history_;
+  std::vector<double> budget_factor_;
 
   // Training-path state (one thread).
   std::shared_ptr<const Assignment> current_;

@@ -909,7 +909,8 @@ class Report {
       // Predicted: what the solve predicted per step for each layer's codec over the epoch
       // (its estimate through the switch's transient, times the drift; controller layers
       // are the adaptive ones, in registration order). The uniform run's forecast: the
-      // default's estimate in the same statistics, settled, times the drift.
+      // default's error the budget rested on (settled, pooled over the last windows),
+      // times the drift.
       double uniform_realized = 0, uniform_predicted = 0;
       if (e.stats && e.assignment && e.assignment->predicted.size() == e.assignment->drift.size()) {
         const size_t default_choice = index_of_default();
@@ -920,13 +921,13 @@ class Report {
           if (choice < candidates_.size() && e.stats->samples(k) > 0) {
             CodecCheck& c = by_codec_[choice];
             c.realized += e.layer_compression[l];
-            const double drift = k < e.assignment->drift.size() ? e.assignment->drift[k] : 1.0;
             if (k < e.assignment->predicted.size())
               c.predicted += e.assignment->predicted[k] * static_cast<double>(e.steps);
             ++c.layer_epochs;
             if (default_choice < candidates_.size()) {
               uniform_realized += e.layer_uniform[l];
-              uniform_predicted += e.stats->mean(k, default_choice) * drift * static_cast<double>(e.steps);
+              const double budget = k < e.assignment->budget.size() ? e.assignment->budget[k] : 0.0;
+              uniform_predicted += budget * static_cast<double>(e.steps);
             }
           }
           ++k;

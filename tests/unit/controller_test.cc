@@ -556,6 +556,77 @@ BOOST_AUTO_TEST_CASE(the_first_solve_takes_its_drift_from_the_windows_lead) {
   }
 }
 
+// The budget rests on each default's error per unit of gradient energy, pooled over the
+// windows of the last 8 steps at least: a short window of heavy-tailed gradients reads the
+// default's error with much noise (the demo, window 2: its epochs' uniform error realized
+// 0.90-1.07 of the window's own estimate), and the solve spends what the noise adds. Each
+// window here reads the default's error per energy times a noise factor of up to 1.5 while
+// the energy grows; the budget of every solve must be the pooled one, times the drift (and
+// the solve's budget alpha x their sum), and a window of 8 steps its own.
+BOOST_AUTO_TEST_CASE(the_budget_pools_the_defaults_error_over_short_windows) {
+  const auto layers = make_layers(3);
+  const std::vector<double> noise = {1.5, 0.6, 1.3, 0.8, 1.1, 0.7, 1.4, 0.9};
+  for (const uint64_t window : {2, 8}) {
+    const ControllerSettings settings = small_schedule(5 + window, 5 + window, window, 2);
+    Controller controller(settings, layers);
+    std::mt19937_64 rng(test::run_seed());
+    std::uniform_real_distribution<double> jitter(0.9, 1.1);
+    std::vector<double> base;  // per layer: the default's error per unit of energy
+    for (size_t l = 0; l < layers.size(); ++l) base.push_back(jitter(rng) * static_cast<double>(1 + l));
+    // Per layer, the windows so far: the default's error and the energy.
+    std::vector<std::vector<std::pair<double, double>>> history(layers.size());
+    ErrorStats stats = controller.new_stats();
+    size_t windows = 0;
+    uint64_t epochs_checked = 0;
+    for (uint64_t step = 0; windows < noise.size(); ++step) {
+      const auto a = controller.assignment_for_step(step);
+      if (a->epoch > epochs_checked) {
+        // Solved from window a->epoch - 1 (counted from 0).
+        epochs_checked = a->epoch;
+        const size_t k = static_cast<size_t>(a->epoch) - 1;
+        BOOST_TEST_REQUIRE(a->budget.size() == layers.size());
+        const size_t pooled = static_cast<size_t>((8 + window - 1) / window);
+        double sum = 0;
+        for (size_t l = 0; l + 1 < layers.size(); ++l) {
+          double error = 0, energy = 0;
+          for (size_t j = k + 1 - std::min(pooled, k + 1); j <= k; ++j)
+            error += history[l][j].first, energy += history[l][j].second;
+          const double want = error / energy * history[l][k].second * a->drift[l];
+          BOOST_TEST(a->budget[l] == want, boost::test_tools::tolerance(1e-9));
+          // (The noise sets the pool apart from the window's own estimate.)
+          const double own = history[l][k].first * a->drift[l];
+          if (window < 8 && k > 0)
+            BOOST_TEST(std::abs(want / own - 1) > 0.05, "window " << window << ", epoch " << a->epoch);
+          sum += a->budget[l];
+        }
+        BOOST_TEST(a->solution.budget == a->alpha_eff * sum, boost::test_tools::tolerance(1e-9));
+      }
+      if (!controller.schedule().measures(step)) continue;
+      const size_t k = windows;
+      for (size_t l = 0; l < layers.size(); ++l) {
+        const double magnitude = 100.0 * (1 + l) * (1 + 0.2 * static_cast<double>(k));
+        const double error = noise[k] * base[l] * magnitude * magnitude;
+        std::vector<double> e;
+        for (uint32_t c = 0; c < layers[l].candidates.size(); ++c) {
+          const double levels = static_cast<double>((4u << c) - 1);
+          e.push_back(layers[l].candidates.size() == 1 ? 0.0 : error * (15 / levels) * (15 / levels));
+        }
+        ErrorStats::Sample sample;
+        sample.measured = e;
+        sample.magnitude = magnitude;
+        stats.add(l, sample);
+        if (history[l].size() == k) history[l].push_back({e.size() > 1 ? e[2] : 0.0, magnitude * magnitude});
+      }
+      if (controller.schedule().window_ends(step)) {
+        controller.submit(step, stats);
+        stats.clear();
+        ++windows;
+      }
+    }
+    BOOST_TEST(epochs_checked + 1 >= noise.size());
+  }
+}
+
 // A TopK layer whose shadow has settled (its error barely above the gradient alone's)
 // while its real state holds far more: the growth curve is flat past the shadow's age and
 // cannot reach the state's error. The prediction must stay finite (it overflowed to inf,
