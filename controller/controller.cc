@@ -729,8 +729,9 @@ Controller::Built Controller::problem_from(const Job& job, std::span<const doubl
     }
   }
   // The budget is the default's error as a uniform run has it, in its own steady state
-  // (pooled over the last windows: record_defaults): alpha is rescaled so that alpha x the defaults' epoch errors (with
-  // their transients, where a layer is not at its default now) is alpha_eff x their steady errors.
+  // (pooled over the last windows: record_defaults): alpha is rescaled so that alpha x
+  // the defaults' epoch errors (with their transients, where a layer is not at its default
+  // now) is alpha_eff x their steady errors.
   if (epoch_defaults > 0 && steady_defaults > 0) p.alpha = alpha_eff_ * steady_defaults / epoch_defaults;
   if (settings_.metric == ErrorMetric::kNormalized && settings_.relative_cap > 0) cap_relative_errors(built);
   return built;
