@@ -130,8 +130,8 @@ Controller::Controller(ControllerSettings settings, std::vector<Layer> layers, S
   chosen_.resize(layers_.size());
   chosen_scale_.assign(layers_.size(), 1.0);
   chosen_defaults_.assign(layers_.size(), 0.0);
-  default_history_.resize(layers_.size());
-  budget_factor_.assign(layers_.size(), 1.0);
+  pools_.resize(layers_.size());
+  pool_factor_.resize(layers_.size());
   current_ = std::move(defaults);
   if (!settings_.decision_log_path.empty()) {
     decision_log_ = fopen(settings_.decision_log_path.c_str(), "a");
@@ -263,7 +263,7 @@ WindowReading Controller::read_window(const ErrorStats& stats) const {
     const double w = weight[l];
     const double default_now = stats.mean(l, layers_[l].default_index);
     r.realized += w * realized_of(stats, l);
-    defaults += w * default_now * (l < budget_factor_.size() ? budget_factor_[l] : 1.0);
+    defaults += w * default_now * pool_factor(l, layers_[l].default_index);
     // What the solve that chose the assignment in effect predicted for it (the defaults'
     // estimate in this window before the first solve).
     // Its error over the window's steps, which lie late in the epoch: a transient's rise
@@ -366,42 +366,54 @@ std::vector<double> Controller::drift_of(const ErrorStats& stats, uint64_t windo
   return drift;
 }
 
-// The budget rests on each default's error as the window measured it, and a short window
-// of heavy-tailed gradients measures it with much noise: which buckets a few large values
-// fall in sets their ranges, and so the error, from step to step. In the demo (window 2,
-// period 5) the uniform run's error per step varied by 4% (log sd), with single steps up
-// to 1.2x; its epochs realized 0.90-1.07 of the window's estimate, and the adaptive
-// epochs, solved to that budget, 0.86-1.10 of the uniform run's. The windows before
-// measured the same default on other gradients of the same layer: pooled as error per
-// energy (the error follows the gradient's scale squared; the energy, sum |g| squared, is
-// robust to the tails), over kBudgetSteps steps at least, the same steps' forecasts
-// realized 0.96-1.03. A window of kBudgetSteps steps or more (a real schedule's 10) is its
-// own pool, so slow changes of the gradients' shape are followed at once there.
-void Controller::record_defaults(const ErrorStats& stats) {
+// A window of a few steps measures a quantizer's error with the noise of the gradients'
+// tails: which buckets a few large values fall in sets their ranges, and so the error,
+// from step to step. In the demo (window 2, period 5) the uniform run's error per step
+// varied by 4% (log sd), single steps up to 1.2x, and its epochs realized 0.90-1.07 of the
+// window's estimate; the adaptive epochs, solved to that budget, 0.86-1.10 of the uniform
+// run's (the solve spends what the noise adds to the budget); with the budget pooled alone,
+// the layers the solve spends it on (settled at 2 bits, half the adaptive run's error)
+// still swung 0.86-1.11 of their window's estimate, and single epochs reached 1.07. The
+// windows before measured the same candidates on other gradients of the same layer: each
+// quantization candidate's error is pooled as error per unit of energy (the error follows
+// the gradient's scale squared; the energy, (sum |g|)^2, is robust to the tails) over the
+// windows of the last kPoolSteps steps at least, times this window's energy. A window of
+// kPoolSteps steps or more (a real schedule's 10) is its own pool: slow changes of the
+// gradients' shape are followed at once there. TopK and PowerSGD candidates are not
+// pooled: their errors grow with the age of their state, which differs from window to
+// window (transient_of).
+void Controller::record_pools(const ErrorStats& stats) {
   const uint64_t window = std::max<uint64_t>(settings_.schedule.window, 1);
-  const size_t windows = static_cast<size_t>((kBudgetSteps + window - 1) / window);
+  const size_t windows = static_cast<size_t>((kPoolSteps + window - 1) / window);
   for (size_t l = 0; l < layers_.size(); ++l) {
-    const double error = stats.mean(l, layers_[l].default_index), m = stats.magnitude_mean(l);
-    if (stats.samples(l) == 0 || !(error > 0) || !(m > 0) || !std::isfinite(error * m * m)) continue;
-    std::deque<DefaultPoint>& history = default_history_[l];
-    history.push_back({error, m * m});
-    while (history.size() > windows) history.pop_front();
+    const std::vector<Candidate>& candidates = layers_[l].candidates;
+    pools_[l].resize(candidates.size());
+    pool_factor_[l].assign(candidates.size(), 1.0);
+    const double m = stats.magnitude_mean(l), energy = m * m;
+    if (stats.samples(l) == 0 || !(energy > 0) || !std::isfinite(energy)) continue;
+    for (uint32_t c = 0; c < candidates.size(); ++c) {
+      const double error = stats.mean(l, c);
+      if (codec_family(candidates[c].codec) != "quant" || !(error > 0) || !std::isfinite(error)) continue;
+      std::deque<PoolPoint>& points = pools_[l][c];
+      points.push_back({error, energy});
+      while (points.size() > windows) points.pop_front();
+      double errors = 0, energies = 0;
+      for (const PoolPoint& p : points) errors += p.error, energies += p.energy;
+      const double f = errors / energies * energy / error;
+      if (std::isfinite(f) && f > 0) pool_factor_[l][c] = f;
+    }
   }
 }
 
-std::vector<double> Controller::budget_factors(const ErrorStats& stats) const {
-  std::vector<double> factor(layers_.size(), 1.0);
-  for (size_t l = 0; l < layers_.size(); ++l) {
-    const double now = stats.mean(l, layers_[l].default_index), m = stats.magnitude_mean(l);
-    const std::deque<DefaultPoint>& history = default_history_[l];
-    // This window's point is the last one (record_defaults), or the layer was not measured.
-    if (stats.samples(l) == 0 || !(now > 0) || !(m > 0) || history.empty() || history.back().error != now) continue;
-    double error = 0, energy = 0;
-    for (const DefaultPoint& p : history) error += p.error, energy += p.energy;
-    const double f = error / energy * (m * m) / now;
-    if (std::isfinite(f) && f > 0) factor[l] = f;
-  }
-  return factor;
+Controller::Transient Controller::pooled_transient_of(const Job& job, size_t layer, uint32_t candidate) const {
+  Transient x = transient_of(job, layer, candidate);
+  const double f = pool_factor(layer, candidate);
+  x.steady *= f, x.now *= f, x.fresh *= f;
+  return x;
+}
+
+double Controller::pool_factor(size_t layer, uint32_t candidate) const {
+  return layer < pool_factor_.size() && candidate < pool_factor_[layer].size() ? pool_factor_[layer][candidate] : 1.0;
 }
 
 // The shadows' age for one layer in the window ending at window_last, in steps of the
@@ -719,17 +731,17 @@ Controller::Built Controller::problem_from(const Job& job, std::span<const doubl
     }
     built.measured[l] = 1;
     for (uint32_t c = 0; c < layer.candidates.size(); ++c) {
-      const Transient x = transient_of(job, l, c);
+      const Transient x = pooled_transient_of(job, l, c);
       built.index[l].push_back(c);
       layer.candidates[c].error = mean_error(x, 0, settings_.schedule.period) * scale[l];
       if (c == layer.default_index) {
-        built.budget[l] = x.steady * budget_factor_[l];
+        built.budget[l] = x.steady;
         steady_defaults += built.budget[l] * scale[l], epoch_defaults += layer.candidates[c].error;
       }
     }
   }
   // The budget is the default's error as a uniform run has it, in its own steady state
-  // (pooled over the last windows: record_defaults): alpha is rescaled so that alpha x
+  // (pooled over the last windows: record_pools): alpha is rescaled so that alpha x
   // the defaults' epoch errors (with their transients, where a layer is not at its default
   // now) is alpha_eff x their steady errors.
   if (epoch_defaults > 0 && steady_defaults > 0) p.alpha = alpha_eff_ * steady_defaults / epoch_defaults;
@@ -777,8 +789,7 @@ std::shared_ptr<const Assignment> Controller::solve_job(const Job& job) {
   try {
     // The loop first: its state moves whether or not this solve succeeds.
     pooled_topk_correlation_.reset();  // of this window
-    record_defaults(job.stats);
-    budget_factor_ = budget_factors(job.stats);
+    record_pools(job.stats);
     const WindowReading reading = read_window(job.stats);
     update_loop(reading);
     const std::vector<double> drift = drift_of(job.stats, job.window_last_step);
@@ -861,7 +872,7 @@ std::shared_ptr<const Assignment> Controller::solve_and_log(const Job& job, cons
     // The default is always offered, whatever the cap (cap_relative_errors): a layer at its
     // default has the relative error uniform compression has, and no bound.
     if (solution.choices[l] == problem.layers[l].default_index) assignment->relative_bound[l] = 0;
-    chosen[l] = transient_of(job, l, c);
+    chosen[l] = pooled_transient_of(job, l, c);
   }
 
   if (decision_log_) {

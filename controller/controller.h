@@ -132,7 +132,7 @@ struct Assignment {
   WindowReading window;           // of the window it was solved from
   std::vector<double> drift;      // per layer: the factor its errors were extrapolated by
   // Per layer: the default's error per step the budget allowed over the epoch (its
-  // estimate pooled over the last windows, budget_factors; times the drift); 0 where the
+  // estimate pooled over the last windows, record_pools; times the drift); 0 where the
   // layer was not measured. What the uniform run's error is to be judged against.
   std::vector<double> budget;
   // Per layer: the mean error per step the solve predicted for its choice over the epoch
@@ -224,11 +224,12 @@ class Controller {
   // error x numel / magnitude^2 of the window (0 where no magnitude was measured).
   double relative_of(const ErrorStats& stats, size_t layer, double error) const;
   std::vector<double> drift_of(const ErrorStats& stats, uint64_t window_last) const;
-  // The budget's estimate of each default's error (controller.cc, budget_factors): this
-  // window's over its energy, pooled with the windows before, over the kBudgetSteps steps
-  // they measured at least; per layer, the factor from the window's own estimate to it.
-  void record_defaults(const ErrorStats& stats);
-  std::vector<double> budget_factors(const ErrorStats& stats) const;
+  // The quantization candidates' errors pooled over the last windows (controller.cc,
+  // record_pools): this window's over its energy, with the windows before, over the
+  // kPoolSteps steps they measured at least; per layer and candidate, the factor from the
+  // window's own estimate to the pool (1: not pooled).
+  void record_pools(const ErrorStats& stats);
+  double pool_factor(size_t layer, uint32_t candidate) const;
   struct EnergyPoint {
     double t, energy;  // a window's (or the first lead's) middle, counted from 1; magnitude^2
   };
@@ -263,6 +264,8 @@ class Controller {
     std::string state_family;  // of the codec in effect, whose residual the state holds
   };
   Transient transient_of(const Job& job, size_t layer, uint32_t candidate) const;
+  // transient_of with a quantizer's errors pooled over the last windows (record_pools).
+  Transient pooled_transient_of(const Job& job, size_t layer, uint32_t candidate) const;
   static double mean_error(const Transient& x, uint64_t first, uint64_t count);
   // The output's TopK error over the independent ranks' sum, on the layer's real state
   // (controller.cc, transient_of): where the shadows' own ratio is not measured.
@@ -307,14 +310,14 @@ class Controller {
   std::vector<std::vector<EnergyPoint>> energy_history_;
   std::vector<double> shadow_age_;
   std::vector<double> drift_;  // per layer, the epoch's (drift_of), set with shadow_age_
-  // Per layer, the default's error and the gradient's energy of the last windows
-  // (record_defaults), and the factors from the window being solved to their pool.
-  struct DefaultPoint {
+  // Per layer and candidate, the error and the gradient's energy of the last windows
+  // (record_pools), and the factor from the window being solved to their pool.
+  struct PoolPoint {
     double error, energy;
   };
-  static constexpr uint64_t kBudgetSteps = 8;
-  std::vector<std::deque<DefaultPoint>> default_history_;
-  std::vector<double> budget_factor_;
+  static constexpr uint64_t kPoolSteps = 8;
+  std::vector<std::vector<std::deque<PoolPoint>>> pools_;
+  std::vector<std::vector<double>> pool_factor_;
 
   // Training-path state (one thread).
   std::shared_ptr<const Assignment> current_;
