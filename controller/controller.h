@@ -225,10 +225,10 @@ class Controller {
   double relative_of(const ErrorStats& stats, size_t layer, double error) const;
   std::vector<double> drift_of(const ErrorStats& stats, uint64_t window_last) const;
   // The quantization candidates' errors pooled over the last windows (controller.cc,
-  // record_pools): this window's over its energy, with the windows before, over the
-  // kPoolSteps steps they measured at least; per layer and candidate, the factor from the
-  // window's own estimate to the pool (1: not pooled).
-  void record_pools(const ErrorStats& stats);
+  // record_pools): this window's over its energy, with the windows before it that ended
+  // within kPoolSpan steps, kPoolSteps steps of them; per layer and candidate, the factor
+  // from the window's own estimate to the pool (1: not pooled).
+  void record_pools(const ErrorStats& stats, uint64_t window_last);
   double pool_factor(size_t layer, uint32_t candidate) const;
   struct EnergyPoint {
     double t, energy;  // a window's (or the first lead's) middle, counted from 1; magnitude^2
@@ -314,8 +314,9 @@ class Controller {
   // (record_pools), and the factor from the window being solved to their pool.
   struct PoolPoint {
     double error, energy;
+    uint64_t window_last;
   };
-  static constexpr uint64_t kPoolSteps = 8;
+  static constexpr uint64_t kPoolSteps = 8, kPoolSpan = 16;
   std::vector<std::vector<std::deque<PoolPoint>>> pools_;
   std::vector<std::vector<double>> pool_factor_;
 

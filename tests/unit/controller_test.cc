@@ -557,13 +557,14 @@ BOOST_AUTO_TEST_CASE(the_first_solve_takes_its_drift_from_the_windows_lead) {
 }
 
 // A quantizer's errors, the default's (the budget) and the other candidates', rest on
-// their error per unit of gradient energy pooled over the windows of the last 8 steps at
-// least: a short window of heavy-tailed gradients reads them with much noise (the demo,
-// window 2: its epochs' uniform error realized 0.90-1.07 of the window's own estimate), and
-// the solve spends what the noise adds. Each window here
-// reads the errors per energy times a noise factor of up to 1.5 while the energy grows;
-// every solve's budget and prediction must be the pooled ones, times the drift (and the
-// solve's budget alpha x their sum), and a window of 8 steps its own.
+// their error per unit of gradient energy pooled over windows of 8 steps at least, those
+// that ended within the last 16 (controller.cc, record_pools): a short window of
+// heavy-tailed gradients reads them with much noise (the demo, window 2: its epochs'
+// uniform error realized 0.90-1.07 of the window's own estimate), and the solve spends
+// what the noise adds. Each window here reads the errors per energy times a noise factor
+// of up to 1.5 while the energy grows; every solve's budget and prediction must be the
+// pooled ones, times the drift (and the solve's budget alpha x their sum), and a window of
+// 8 steps its own.
 BOOST_AUTO_TEST_CASE(quantizers_errors_are_pooled_over_short_windows) {
   const auto layers = make_layers(3);
   const std::vector<double> noise = {1.5, 0.6, 1.3, 0.8, 1.1, 0.7, 1.4, 0.9};
@@ -579,14 +580,17 @@ BOOST_AUTO_TEST_CASE(quantizers_errors_are_pooled_over_short_windows) {
       double error, energy;
     };
     std::vector<std::vector<Window>> history(layers.size());
-    // The pool's factor for layer l in window k: its last `pooled` windows (every
-    // candidate's errors are the default's times one factor per width, so one pool says
-    // it for all).
+    // The pool's factor for layer l in window k: its last `pooled` windows that ended
+    // within 16 steps of it (every candidate's errors are the default's times one factor
+    // per width, so one pool says it for all).
     const size_t pooled = static_cast<size_t>((8 + window - 1) / window);
+    const uint64_t period = settings.schedule.period;
     const auto factor = [&](size_t l, size_t k) {
       double error = 0, energy = 0;
-      for (size_t j = k + 1 - std::min(pooled, k + 1); j <= k; ++j)
+      for (size_t j = k, n = 0; n < pooled && (k - j) * period < 16; --j, ++n) {
         error += history[l][j].error, energy += history[l][j].energy;
+        if (j == 0) break;
+      }
       return error / energy * history[l][k].energy / history[l][k].error;
     };
     ErrorStats stats = controller.new_stats();
