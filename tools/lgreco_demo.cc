@@ -28,7 +28,8 @@
 // on the same steps (the budget at alpha = 1); output_error_vs_uniform the same for the
 // error against the exact gradient sum; alpha_eff the mean alpha the solves used. The
 // lines before it give the realized over the predicted error by codec (the prediction is
-// right, not only the total) and the worst adaptive epoch after the first.
+// right, not only the total) and the worst adaptive epoch after the first, with the layer
+// whose uniform error missed its forecast there by the most.
 //
 // Candidates: quantization at 2..8 bits (default), or with --families quant,topk also
 // TopK at densities 0.1%..5%, the default codec staying 4 bits. Then a layer's bits per
@@ -853,6 +854,10 @@ class Report {
   // epoch was solved from predicted for it (the default codec on every adaptive layer):
   // how far the reference itself strayed from its forecast, the noise no solve can see.
   double worst_later_uniform_vs_forecast() const { return worst_later_uniform_; }
+  // In that epoch, the adaptive layer whose uniform error missed its forecast by the most
+  // (its name, its share of the forecast and its realized over forecast error); empty
+  // where there was no forecast.
+  const std::string& worst_later_miss() const { return worst_later_miss_; }
 
   // Realized over predicted compression error by codec, over the adaptive epochs after
   // the first (their assignments were solved from windows under adaptive assignments).
@@ -912,6 +917,10 @@ class Report {
       // default's error the budget rested on (settled, pooled over the last windows),
       // times the drift.
       double uniform_realized = 0, uniform_predicted = 0;
+      // The layer whose uniform error strayed furthest from its forecast (in error, not
+      // ratio): which layer's noise the epoch's reference carried.
+      size_t miss_layer = model_.layers.size();
+      double miss = 0, miss_realized = 0, miss_predicted = 0;
       if (e.stats && e.assignment && e.assignment->predicted.size() == e.assignment->drift.size()) {
         const size_t default_choice = index_of_default();
         size_t k = 0;
@@ -927,7 +936,12 @@ class Report {
             if (default_choice < candidates_.size()) {
               uniform_realized += e.layer_uniform[l];
               const double budget = k < e.assignment->budget.size() ? e.assignment->budget[k] : 0.0;
-              uniform_predicted += budget * static_cast<double>(e.steps);
+              const double forecast = budget * static_cast<double>(e.steps);
+              uniform_predicted += forecast;
+              if (forecast > 0 && std::abs(e.layer_uniform[l] - forecast) > miss) {
+                miss = std::abs(e.layer_uniform[l] - forecast);
+                miss_layer = l, miss_realized = e.layer_uniform[l], miss_predicted = forecast;
+              }
             }
           }
           ++k;
@@ -936,6 +950,14 @@ class Report {
       if (ratio > worst_later_) {
         worst_later_ = ratio;
         worst_later_uniform_ = uniform_predicted > 0 ? uniform_realized / uniform_predicted : 0;
+        worst_later_miss_.clear();
+        if (miss_layer < model_.layers.size() && uniform_predicted > 0) {
+          char text[256];
+          snprintf(text, sizeof text, "%s (%.0f%% of that forecast) realized %.4f of its own",
+                   model_.layers[miss_layer].name.c_str(), 100.0 * miss_predicted / uniform_predicted,
+                   miss_realized / miss_predicted);
+          worst_later_miss_ = text;
+        }
       }
     }
   }
@@ -1000,6 +1022,7 @@ class Report {
   std::map<uint32_t, uint64_t> topk_by_density_;
   std::vector<CodecCheck> by_codec_;
   double worst_later_ = 0, worst_later_uniform_ = 0;
+  std::string worst_later_miss_;
   uint64_t probe_sampled_ = 0;
   std::vector<collective::Algorithm> algorithms_;
 };
@@ -1137,8 +1160,9 @@ int run(int argc, char** argv) {
          report.codec_check().c_str());
   printf(
       "# worst adaptive epoch after the first: compression error %.4f of the uniform run's; in it, the uniform "
-      "run's own error %.4f of what the solve's statistics forecast for it\n",
-      report.worst_later_epoch(), report.worst_later_uniform_vs_forecast());
+      "run's own error %.4f of what the solve's statistics forecast for it%s%s\n",
+      report.worst_later_epoch(), report.worst_later_uniform_vs_forecast(),
+      report.worst_later_miss().empty() ? "" : "; its largest miss: ", report.worst_later_miss().c_str());
   printf("# %.1f s; per rank: gradients %.1f s, allreduce %.1f s, error check %.1f s\n", seconds, mean.generate,
          mean.allreduce, mean.check);
   printf(

@@ -131,6 +131,19 @@ BOOST_AUTO_TEST_CASE(registration_file_on_four_ranks) {
   BOOST_TEST(test::contains(r.output, "  stem block1 block2   head"), r.output);
   for (const char* epoch : {"\n    0     0-5 ", "\n    1    6-10 ", "\n    2   11-15 ", "\n    3   16-16 "})
     BOOST_TEST(test::contains(r.output, epoch), r.output);
+  // The worst later epoch names the adaptive layer whose uniform error missed its forecast
+  // by the most, with its share of the forecast and its own realized over forecast.
+  static const std::regex worst(
+      R"(\n# worst adaptive epoch after the first: compression error (\d+\.\d+) of the uniform run's; in it, the )"
+      R"(uniform run's own error (\d+\.\d+) of what the solve's statistics forecast for it; its largest miss: )"
+      R"((\S+) \((\d+)% of that forecast\) realized (\d+\.\d+) of its own\n)");
+  std::smatch m;
+  BOOST_TEST_REQUIRE(std::regex_search(r.output, m, worst), r.output);
+  BOOST_TEST(
+      (m[3] == "head.weight" || m[3] == "block2.conv.weight" || m[3] == "block1.conv.weight" || m[3] == "stem.weight"),
+      m[0]);
+  BOOST_TEST((std::stoi(m[4]) > 0 && std::stoi(m[4]) <= 100), m[0]);
+  BOOST_TEST(std::stod(m[5]) > 0.0, m[0]);
   check_decision_log(log, r.output, 3, 4);
 }
 
