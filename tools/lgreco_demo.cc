@@ -920,7 +920,7 @@ class Report {
       // The layer whose uniform error strayed furthest from its forecast (in error, not
       // ratio): which layer's noise the epoch's reference carried.
       size_t miss_layer = model_.layers.size();
-      double miss = 0, miss_realized = 0, miss_predicted = 0;
+      double miss_realized = 0, miss_predicted = 0;
       if (e.stats && e.assignment && e.assignment->predicted.size() == e.assignment->drift.size()) {
         const size_t default_choice = index_of_default();
         size_t k = 0;
@@ -938,10 +938,8 @@ class Report {
               const double budget = k < e.assignment->budget.size() ? e.assignment->budget[k] : 0.0;
               const double forecast = budget * static_cast<double>(e.steps);
               uniform_predicted += forecast;
-              if (forecast > 0 && std::abs(e.layer_uniform[l] - forecast) > miss) {
-                miss = std::abs(e.layer_uniform[l] - forecast);
+              if (forecast > 0 && std::abs(e.layer_uniform[l] - forecast) > std::abs(miss_realized - miss_predicted))
                 miss_layer = l, miss_realized = e.layer_uniform[l], miss_predicted = forecast;
-              }
             }
           }
           ++k;
