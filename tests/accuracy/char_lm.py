@@ -44,12 +44,17 @@ LICENSES = "/usr/share/common-licenses"
 VOCAB = 129  # bytes 0..127, and one symbol for everything above
 
 SIZES = {
-    # ~0.1M parameters: 3 blocks of width 48; 15 weight matrices (embeddings, q/k/v, attention
+    # ~0.1M parameters: 3 blocks of width 48; 21 weight matrices (embeddings, q/k/v, attention
     # output, two MLP layers per block, head).
     "quick": dict(width=48, blocks=3, heads=4, context=32, batch=16, steps=150, lr=3e-3, schedule=(20, 20, 5, 2, 5)),
-    # ~0.8M parameters.
-    "full": dict(width=128, blocks=4, heads=4, context=128, batch=32, steps=1000, lr=2e-3,
+    # ~0.22M parameters: 4 blocks of width 64; 27 weight matrices. 800 steps, 15 adaptive
+    # epochs: about 10 minutes per mode on 2 cores (0.34 s per step and rank on one core).
+    "full": dict(width=64, blocks=4, heads=4, context=64, batch=16, steps=800, lr=3e-3,
                  schedule=(50, 50, 5, 2, 5)),
+    # ~0.8M parameters, 1000 steps: 5.8 s per step and rank on one core, about 3 hours per
+    # mode on 2 cores. For a machine with cores to spare (not run to the end so far).
+    "large": dict(width=128, blocks=4, heads=4, context=128, batch=32, steps=1000, lr=2e-3,
+                  schedule=(50, 50, 5, 2, 5)),
 }
 
 MODES = {
@@ -231,6 +236,8 @@ def main():
     p.add_argument("--plot", metavar="FILE", help="draw the modes' loss curves into FILE (.png, .svg; matplotlib)")
     p.add_argument("--plot-from", metavar="JSONL", help="draw --plot from the lines of an earlier run's --json file "
                                                           "instead of training")
+    p.add_argument("--report", metavar="JSONL", help="print the issue's accuracy and bytes targets, met or not, from "
+                                                     "the lines of earlier runs' --json file instead of training")
     p.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mode", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -240,6 +247,8 @@ def main():
         args.decision_log = os.path.join(logs_dir.name, "decisions")
     if args.rank_main:
         return rank_main(args)
+    if args.report:
+        return report(read_summaries(args.report))
     if args.plot_from:
         if not args.plot:
             raise SystemExit("char_lm: --plot-from needs --plot FILE")
@@ -344,6 +353,49 @@ def plot_losses(lines, path):
         print("char_lm: cannot write %s: %s" % (path, getattr(e, "strerror", None) or e))
         return 1
     print("char_lm: loss curves of %d runs: %s" % (len(lines), path))
+    return 0
+
+
+def report(lines):
+    """The targets of real training (docs/PERF.md, "Real training"), from --json lines of
+    one size and optimizer: adaptive's validation loss within 1% of no compression's and
+    no worse than uniform 4 bits' beyond uniform's spread over its seeds (max - min), and
+    adaptive sending at least 1.3x fewer bytes than uniform. Seeds that ran in both modes
+    are compared pairwise; the spread is over every uniform seed. Prints one line per
+    mode and one per target; returns 0 (a report, not a check)."""
+    kinds = {(line.get("size"), line.get("optimizer"), json.dumps(line.get("set", {}), sort_keys=True))
+             for line in lines}
+    if len(kinds) > 1:
+        raise SystemExit("char_lm: --report: the lines mix sizes, optimizers or --set parameters (%s); give it one "
+                         "experiment's file" % "; ".join(sorted(str(k) for k in kinds)))
+    by_mode = {}
+    for line in lines:
+        by_mode.setdefault(line["mode"], {})[line.get("seed")] = line  # a rerun's line replaces the earlier
+    for mode, runs in by_mode.items():
+        vals = [r["val_loss"] for r in runs.values()]
+        print("MODE %s seeds=%s val_loss mean=%.4f min=%.4f max=%.4f bytes_vs_fp32=%.4f" % (
+            mode, ",".join(str(s) for s in sorted(runs)), sum(vals) / len(vals), min(vals), max(vals),
+            sum(r["bytes_vs_fp32"] for r in runs.values()) / len(runs)))
+    none, uniform = by_mode.get("none", {}), by_mode.get("uniform", {})
+    spread = max(r["val_loss"] for r in uniform.values()) - min(r["val_loss"] for r in uniform.values()) \
+        if len(uniform) >= 2 else None
+    print("uniform's spread over %d seeds: %s" % (len(uniform), "%.4f" % spread if spread is not None else
+                                                  "unknown (needs 2 or more seeds)"))
+    for mode in ("adaptive", "topk"):
+        for seed, run in sorted(by_mode.get(mode, {}).items()):
+            def verdict(ok):
+                return "unknown" if ok is None else ("met" if ok else "NOT met")
+            base, uni = none.get(seed), uniform.get(seed)
+            rel = run["val_loss"] / base["val_loss"] - 1 if base else None
+            gap = run["val_loss"] - uni["val_loss"] if uni else None
+            ratio = uni["bytes_vs_fp32"] / run["bytes_vs_fp32"] if uni else None
+            print("TARGET %s seed=%s vs_none=%s (<= +1%%: %s) vs_uniform=%s (<= spread: %s) "
+                  "fewer_bytes_than_uniform=%s (>= 1.3x: %s)" % (
+                      mode, seed, "%+.2f%%" % (100 * rel) if rel is not None else "?", verdict(None if rel is None
+                                                                                              else rel <= 0.01),
+                      "%+.4f" % gap if gap is not None else "?",
+                      verdict(None if gap is None or spread is None else gap <= spread),
+                      "%.3fx" % ratio if ratio is not None else "?", verdict(None if ratio is None else ratio >= 1.3)))
     return 0
 
 
