@@ -119,7 +119,7 @@ help:
 	@echo "make test-python  the Python package's and lgreco-register's tests (torch for $(PYTHON), python3-venv)"
 	@echo "make fuzz       the registration/parameter parsers under libFuzzer for FUZZ_SECONDS ($(FUZZ_SECONDS))"
 	@echo "make accuracy   real training through the comm hook: a character transformer, 4 gloo ranks, every mode (~70 min)"
-	@echo "make bench      CPU codec, solver and call-matching benchmarks (one core), as tables"
+	@echo "make bench      CPU codec, solver and call-matching benchmarks (one core), as tables; the comm hook's overlap"
 	@echo "make netbench   lgreco-bench, 4 ranks over rate-limited links in network namespaces (root)"
 	@echo "make demo       deps + build + compressed allreduce with L-GreCo on ResNet-50's buckets, 4 ranks"
 	@echo "make install    PREFIX=$(PREFIX): library, plugin name, tools, docs"
@@ -400,11 +400,12 @@ test-tsan: $(TSAN_BIN)
 	TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" LGRECO_DEBUG=NONE \
 	  $(TSAN_BIN) --report_level=short --log_level=warning
 
-bench: $(BUILD)/bin/lgreco-codec-bench $(BUILD)/bin/lgreco-solve-bench $(BUILD)/bin/lgreco-match-bench $(BUILD)/bin/lgreco-shim-bench
+bench: $(BUILD)/bin/lgreco-codec-bench $(BUILD)/bin/lgreco-solve-bench $(BUILD)/bin/lgreco-match-bench $(BUILD)/bin/lgreco-shim-bench $(LIB)
 	$(BUILD)/bin/lgreco-codec-bench
 	$(BUILD)/bin/lgreco-solve-bench
 	$(BUILD)/bin/lgreco-match-bench
 	$(BUILD)/bin/lgreco-shim-bench
+	$(PYTHON) tests/python/hook_overlap.py
 
 # Four ranks in network namespaces over tbf-limited veth links (tests/netbench/netbench.sh
 # says what it measures). Needs root; not part of `make test`.
