@@ -283,7 +283,11 @@ BOOST_AUTO_TEST_CASE(registered_buckets_adaptive_average_stays_identical_across_
     loop.op = nccl::kAvg;
     loop.run(job, seed);
     BOOST_TEST(job.fake.violation() == "");
-    check_loop(loop, seed, 0.08);
+    // The worst output's error over the 30 steps sits at 0.0785-0.0794 over seeds 1-40
+    // and once reached 0.08004 (seed 15053899359321316620, in CI, where
+    // the bound was 0.08): 0.09 leaves room for the seeds' spread and still fails an
+    // output that a wrong switch or a rank-dependent codec would leave.
+    check_loop(loop, seed, 0.09);
     for (int r = 0; r < 4; ++r) {
       const shim::CommCounters c = *job.shims[r]->counters(job.fake.comm(r));
       // The registered pattern is learned from the 2nd step; the 3rd on compresses.
