@@ -381,21 +381,25 @@ def report(lines):
         if len(uniform) >= 2 else None
     print("uniform's spread over %d seeds: %s" % (len(uniform), "%.4f" % spread if spread is not None else
                                                   "unknown (needs 2 or more seeds)"))
+    def verdict(ok):
+        return "unknown" if ok is None else ("met" if ok else "NOT met")
+
+    def shown(fmt, value):
+        return "?" if value is None else fmt % value
+
     for mode in ("adaptive", "topk"):
         for seed, run in sorted(by_mode.get(mode, {}).items()):
-            def verdict(ok):
-                return "unknown" if ok is None else ("met" if ok else "NOT met")
             base, uni = none.get(seed), uniform.get(seed)
             rel = run["val_loss"] / base["val_loss"] - 1 if base else None
             gap = run["val_loss"] - uni["val_loss"] if uni else None
             ratio = uni["bytes_vs_fp32"] / run["bytes_vs_fp32"] if uni else None
             print("TARGET %s seed=%s vs_none=%s (<= +1%%: %s) vs_uniform=%s (<= spread: %s) "
                   "fewer_bytes_than_uniform=%s (>= 1.3x: %s)" % (
-                      mode, seed, "%+.2f%%" % (100 * rel) if rel is not None else "?", verdict(None if rel is None
-                                                                                              else rel <= 0.01),
-                      "%+.4f" % gap if gap is not None else "?",
-                      verdict(None if gap is None or spread is None else gap <= spread),
-                      "%.3fx" % ratio if ratio is not None else "?", verdict(None if ratio is None else ratio >= 1.3)))
+                      mode, seed,
+                      shown("%+.2f%%", None if rel is None else 100 * rel),
+                      verdict(None if rel is None else rel <= 0.01),
+                      shown("%+.4f", gap), verdict(None if gap is None or spread is None else gap <= spread),
+                      shown("%.3fx", ratio), verdict(None if ratio is None else ratio >= 1.3)))
     return 0
 
 
