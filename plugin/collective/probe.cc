@@ -206,6 +206,9 @@ BucketProbe::Assignment BucketProbe::for_assignment(std::span<const CodecSpec> c
   }
   a.current_plan = make_plan(virtual_layout(sizes, current), current, 1, included);
   for (Segment& s : a.current_plan.segments) s.layer = mine[s.layer];
+  if (reduce_scatter)
+    for (const Segment& s : std::span<const Segment>(sim_plan_.segments).first(reducible_segments_))
+      if (a.unreduced[s.layer / columns_]) a.unreduced_reducible.push_back(s);
   return a;
 }
 
@@ -306,6 +309,52 @@ void BucketProbe::step(Backend& backend, Fabric& fabric, const Call& call, const
   for (int p = 0; p < n; ++p) add_error(shadows + static_cast<uint64_t>(p) * virtual_, w);
   if (assigned_.reduce_scatter) add_error(owner, 1.0f);
   backend.distance(all, floats(buf.error), nullptr, 2, 1.0, out->simulated, out->simulated_nonfinite);
+  simulate_current_of_unreduced(backend, call, buf, *out);
+}
+
+// `current` of the reducible candidates of layers that are gathered now (TopK's, under
+// sra): where a switch to such a candidate starts, both of its stages. The first re-encodes
+// nothing; the second re-encodes the owner's sum, which holds every rank's g + r and the
+// first stage's errors. Estimated as one rank's contribution, P copies of one rank's
+// state, the sum's range was that of fully correlated ranks: the ranks' TopK residuals hold
+// their own batches' noise, and the demo's layers leaving TopK for 3 and 4 bits realized
+// 0.76-0.85 of their prediction (the owner's exact sum without the first stage's errors:
+// 4 bits within 2%, 3 bits 0.92-0.97, 2 bits 0.76-0.80 of a real switch). So the step is
+// simulated as the shadows are, on the real state and residuals: each other rank's
+// encoding (its error, the new residual from none, is the first stage's), the owner's
+// exact g + r, the sum, and its re-encoding with the real owner residual (the error left in
+// it is the second stage's). Nothing persists; the buffers are the simulation's, done with.
+void BucketProbe::simulate_current_of_unreduced(Backend& backend, const Call& call, const Buffers& buf,
+                                                const ProbeOutput& out) {
+  const std::span<const Segment> segments = assigned_.unreduced_reducible;
+  if (segments.empty()) return;
+  const int n = ranks_;
+  const float w = call.average ? 1.0f / static_cast<float>(n) : 1.0f;
+  const uint64_t vbytes = virtual_ * sizeof(float);
+  const auto block = [&](int p, int b) { return buf.recv + (static_cast<uint64_t>(p) * 3 + b) * mine_; };
+  const ElementSpan sum = floats(buf.sum), input = floats(buf.inputs);
+  backend.fill_zero(buf.sum, vbytes);
+  for (int p = 0; p < n; ++p) {
+    backend.gather(replicate_, floats(block(p, 0)), mine_, 1.0f, false, buf.inputs);
+    backend.gather(replicate_, floats(block(p, 1)), mine_, 1.0f, true, buf.inputs);  // g + r
+    backend.find_nonfinite(sim_plan_, segments, input, buf.flags);
+    if (p == rank_) {
+      backend.accumulate_exact(sim_plan_, segments, input, nullptr, 0, buf.flags, sum);
+      continue;
+    }
+    backend.fill_zero(buf.error, vbytes);
+    const NoiseBase noise{seed_ ^ 0x637572ull, static_cast<uint32_t>(p), call.step, 0};
+    backend.encode(sim_plan_, segments, input, buf.error, 0, buf.flags, noise, buf.payload, 0);
+    backend.decode_accumulate(sim_plan_, segments, buf.payload, 0, sum);
+    backend.distance(segments, floats(buf.error), nullptr, 2, static_cast<double>(w) * w, out.current,
+                     out.simulated_nonfinite);
+  }
+  if (call.average) backend.divide(buf.sum, virtual_, static_cast<float>(n));
+  backend.fill_zero(buf.error, vbytes);
+  for (int p = 0; p < n; ++p) backend.gather(replicate_, floats(block(p, 2)), mine_, 1.0f, true, buf.error);
+  const NoiseBase noise{seed_ ^ 0x637572ull, NoiseBase::kReencodeRankBit | static_cast<uint32_t>(rank_), call.step, 0};
+  backend.encode(sim_plan_, segments, sum, buf.error, 0, nullptr, noise, buf.payload, 0);
+  backend.distance(segments, floats(buf.error), nullptr, 2, 1.0, out.current, out.simulated_nonfinite);
 }
 
 // The sample measured two ways. Its content: every simulated candidate on each rank's g
@@ -313,14 +362,12 @@ void BucketProbe::step(Backend& backend, Fabric& fabric, const Call& call, const
 // estimate's composition factor is their ratio). Its real state, what each candidate
 // makes now on the residuals the codecs in effect left (a switch's starting point,
 // controller.h): each rank's g + r with weight w^2 (all ranks for gathered candidates and
-// under all-gather; all but the owner, this rank, for the first stage of reduced layers;
-// the reducible candidates of a layer that is not reduced now with both stages estimated
-// from one rank's contribution, weight w^2 (P-1)/P plus 1/P under ncclAvg or P), and the
-// owner's sum of the current codecs' decoded values plus the real owner residual. Also the
-// exact reduction for realized().
+// under all-gather; all but the owner, this rank, for the first stage of reduced layers),
+// and the owner's sum of the current codecs' decoded values plus the real owner residual.
+// (The reducible candidates of a layer that is not reduced now are simulated instead:
+// simulate_current_of_unreduced.) Also the exact reduction for realized().
 void BucketProbe::measure_reference(Backend& backend, const Call& call, const Buffers& buf, const ProbeOutput& out) {
   const int n = ranks_;
-  const double pn = n;
   const float w = call.average ? 1.0f / static_cast<float>(n) : 1.0f;
   const double w2 = static_cast<double>(w) * w;
   const Backend::Run all{0, 0, mine_};
@@ -360,7 +407,6 @@ void BucketProbe::measure_reference(Backend& backend, const Call& call, const Bu
       continue;
     }
     measure(buf.x, nullptr, mine_layers_, gathered_, w2);
-    measure(buf.x, nullptr, assigned_.unreduced, reducible_, w2 * (pn - 1) / pn + (call.average ? 1 / pn : pn));
     const std::span<const Segment> reduced = assigned_.current_plan.segments;
     if (reduced.empty()) continue;
     if (p == rank_) {

@@ -120,6 +120,9 @@ class BucketProbe {
     bool reduce_scatter = false;
     std::vector<uint8_t> reduced, unreduced;
     Plan current_plan;
+    // Under sra, the simulation's reducible segments (of sim_plan_) of the layers that are
+    // not reduced now (gathered: TopK): their `current` is simulated on the real state.
+    std::vector<Segment> unreduced_reducible;
   };
   Assignment for_assignment(std::span<const CodecSpec> codecs, bool reduce_scatter) const;
   void set_assignment(Assignment assignment) { assigned_ = std::move(assignment); }
@@ -184,6 +187,7 @@ class BucketProbe {
     std::vector<Backend::Run> runs;  // call elements; `to` relative to the layer's sample
   };
   void measure_reference(Backend& backend, const Call& call, const Buffers& buf, const ProbeOutput& out);
+  void simulate_current_of_unreduced(Backend& backend, const Call& call, const Buffers& buf, const ProbeOutput& out);
 
   std::vector<LayerSample> layers_;
   int ranks_ = 1, rank_ = 0;

@@ -432,6 +432,76 @@ BOOST_AUTO_TEST_CASE(topk_shadows_match_a_real_topk_run_of_the_same_steps) {
   }
 }
 
+// A layer on TopK under sra is gathered, not reduced; a quantizer it could switch to would
+// run both of sra's stages, and the second re-encodes the owner's sum of every rank's
+// g + r and the first stage's errors. `current` must be that step's error: estimated as
+// one rank's contribution (P copies of one rank's state: fully correlated ranks), it read
+// 2.5x a real switch here, and the demo's layers leaving TopK for 3 and 4 bits realized
+// 0.76-0.85 of their prediction; on the owner's exact sum without the first stage's
+// errors, 0.76-0.80 at 2 bits. Run A holds the TopK layers there and measures `current` at
+// step 11; run B, on the same gradients, switches them at step 11: its error there is
+// what `current` estimates.
+BOOST_AUTO_TEST_CASE(a_quantizer_on_a_topk_state_is_measured_as_the_switch_runs_it) {
+  const uint64_t seed = test::run_seed();
+  const CodecSpec topk = CodecSpec::parse("topk:density=0.01");
+  for (int bits : {2, 4}) {
+    BucketLayout bucket;
+    for (uint64_t n : {uint64_t{1024 * 48}, uint64_t{1024 * 32}}) {
+      bucket.layers.push_back(
+          {"layer" + std::to_string(bucket.layers.size()), bucket.count, n, {topk, quant(bits)}, 0});
+      bucket.count += n;
+    }
+    // A layer that stays reducible: the bucket runs sra's two stages in both runs.
+    bucket.layers.push_back({"layer2", bucket.count, 1024 * 16, {quant(4), quant(8)}, 0});
+    bucket.count += 1024 * 16;
+    test::PinnedRun run;
+    run.ranks = 4;
+    run.buckets = {bucket};
+    run.steps = 13;
+    run.op = ReduceOp::kAvg;
+    run.input = [&](int r, uint64_t step, uint32_t) {  // a shared part and each rank's noise
+      std::mt19937_64 a(seed ^ (step << 8)), b(seed ^ (uint64_t(r + 1) << 40) ^ (step << 8));
+      std::student_t_distribution<double> t(4.0);
+      std::vector<float> x(bucket.count);
+      for (float& v : x) v = static_cast<float>(std::sqrt(0.4) * t(a) + std::sqrt(0.6) * t(b));
+      return x;
+    };
+    const std::vector<CodecSpec> candidates{topk, quant(bits), quant(4), quant(8)};
+    const auto options = [&](controller::ScheduleSettings schedule, double alpha) {
+      return [=](int) {
+        EngineOptions o = whole_layer_window(topk, candidates, Algorithm::kScatterReduceAllGather, "switch");
+        o.controller.schedule = schedule;
+        o.controller.alpha = alpha;
+        return o;
+      };
+    };
+    run.options = options({12, 100, 1, 2, 8}, 1.0);  // run A: one window, step 11
+    const controller::ErrorStats stats = window_stats_after(run, 12);
+    // Run B: a window at steps 8-9 solved at alpha 0.05, which only the quantizer meets,
+    // taking effect at step 11.
+    test::PinnedRun switched = run;
+    switched.steps = 12;
+    switched.options = options({10, 100, 2, 2, 8}, 0.05);
+    std::vector<CodecSpec> at_11;
+    switched.on_call = [&](uint64_t step, uint32_t, const std::vector<double>&, const Engine& engine) {
+      if (step == 11) at_11 = engine.layer_codecs(0);
+    };
+    const test::PinnedResult real = test::run_pinned(switched);
+    BOOST_TEST_REQUIRE(real.failures.empty(), real.failures.front());
+    BOOST_TEST_REQUIRE(at_11.size() == 3u);
+    for (size_t l = 0; l < 2; ++l) {
+      BOOST_TEST_REQUIRE(at_11[l].str() == quant(bits).str(), "layer " << l << " runs " << at_11[l].str());
+      const double estimate = stats.current_mean(l, 1), realized = real.error[11][0][l];
+      BOOST_TEST_MESSAGE(bits << " bits, layer " << l << ": current / the switch " << estimate / realized);
+      BOOST_TEST_CONTEXT("seed " << seed << ", " << bits << " bits, layer " << l << ": current " << estimate
+                                 << ", the switched run " << realized) {
+        BOOST_TEST(estimate > 0.9 * realized);
+        BOOST_TEST(estimate < 1.1 * realized);
+      }
+    }
+  }
+}
+
 // Matrix layers whose gradient is a shared low-rank signal under per-rank noise: what
 // PowerSGD's residual piles up (the noise and the weaker directions) only shows once the
 // candidate has run under its own error feedback for a while.
