@@ -781,6 +781,7 @@ class Report {
   Report(const Model& model, const std::vector<CodecSpec>& candidates, bool topk, uint64_t uniform_bytes)
       : model_(model), candidates_(candidates), topk_(topk), uniform_bytes_(uniform_bytes) {
     by_codec_.resize(candidates.size());
+    from_topk_.resize(candidates.size());
   }
 
   void print_header() {
@@ -860,18 +861,19 @@ class Report {
   const std::string& worst_later_miss() const { return worst_later_miss_; }
 
   // Realized over predicted compression error by codec, over the adaptive epochs after
-  // the first (their assignments were solved from windows under adaptive assignments).
-  std::string codec_check() const {
+  // the first (their assignments were solved from windows under adaptive assignments);
+  // with `from_topk`, of the layer-epochs that left TopK for a quantizer only.
+  std::string codec_check(bool from_topk = false) const {
     std::string s;
     for (size_t c = 0; c < candidates_.size(); ++c) {
-      const CodecCheck& k = by_codec_[c];
+      const CodecCheck& k = (from_topk ? from_topk_ : by_codec_)[c];
       if (k.layer_epochs == 0) continue;
       char cell[96];
       snprintf(cell, sizeof cell, "%s%s %.3f (%llu)", s.empty() ? "" : ", ", codec_label(candidates_[c]).c_str(),
                k.predicted > 0 ? k.realized / k.predicted : 0.0, static_cast<unsigned long long>(k.layer_epochs));
       s += cell;
     }
-    return s.empty() ? "(no adaptive epoch after the first)" : s;
+    return s.empty() ? (from_topk ? "(none)" : "(no adaptive epoch after the first)") : s;
   }
 
   // With TopK among the candidates: which adaptive layers chose it, over the adaptive
@@ -909,6 +911,11 @@ class Report {
 
   void finish_epoch(const Totals& e) {
     print(e);
+    check_epoch(e);
+    previous_choice_ = e.choice;
+  }
+
+  void check_epoch(const Totals& e) {
     const double ratio = e.compression[kUniformRun] > 0 ? e.compression[kAdaptiveRun] / e.compression[kUniformRun] : 0;
     if (e.epoch > 1) {
       // Predicted: what the solve predicted per step for each layer's codec over the epoch
@@ -928,11 +935,18 @@ class Report {
           if (!model_.layers[l].adaptive) continue;
           const uint8_t choice = e.choice[l];
           if (choice < candidates_.size() && e.stats->samples(k) > 0) {
-            CodecCheck& c = by_codec_[choice];
-            c.realized += e.layer_compression[l];
-            if (k < e.assignment->predicted.size())
-              c.predicted += e.assignment->predicted[k] * static_cast<double>(e.steps);
-            ++c.layer_epochs;
+            // The same apart for the layers that leave TopK for a quantizer: they start
+            // from a residual of many steps of unsent gradient (the transient is theirs).
+            const bool from_topk = l < previous_choice_.size() && previous_choice_[l] < candidates_.size() &&
+                                   candidates_[previous_choice_[l]].family() == CodecFamily::kTopk &&
+                                   candidates_[choice].family() == CodecFamily::kQuant;
+            for (CodecCheck* c : {&by_codec_[choice], from_topk ? &from_topk_[choice] : nullptr}) {
+              if (!c) continue;
+              c->realized += e.layer_compression[l];
+              if (k < e.assignment->predicted.size())
+                c->predicted += e.assignment->predicted[k] * static_cast<double>(e.steps);
+              ++c->layer_epochs;
+            }
             if (default_choice < candidates_.size()) {
               uniform_realized += e.layer_uniform[l];
               const double budget = k < e.assignment->budget.size() ? e.assignment->budget[k] : 0.0;
@@ -1018,7 +1032,8 @@ class Report {
   uint64_t layer_epochs_ = 0, topk_layer_epochs_ = 0;
   std::map<size_t, uint64_t> topk_by_group_;
   std::map<uint32_t, uint64_t> topk_by_density_;
-  std::vector<CodecCheck> by_codec_;
+  std::vector<CodecCheck> by_codec_, from_topk_;
+  std::vector<uint8_t> previous_choice_;  // the last finished epoch's
   double worst_later_ = 0, worst_later_uniform_ = 0;
   std::string worst_later_miss_;
   uint64_t probe_sampled_ = 0;
@@ -1156,6 +1171,7 @@ int run(int argc, char** argv) {
       static_cast<ull>(o.schedule.probe_lead));
   printf("# realized over predicted compression error by codec, adaptive epochs after the first (layer-epochs): %s\n",
          report.codec_check().c_str());
+  if (o.topk) printf("# of those, layers that left TopK for a quantizer: %s\n", report.codec_check(true).c_str());
   printf(
       "# worst adaptive epoch after the first: compression error %.4f of the uniform run's; in it, the uniform "
       "run's own error %.4f of what the solve's statistics forecast for it%s%s\n",

@@ -166,6 +166,10 @@ BOOST_AUTO_TEST_CASE(topk_among_the_candidates) {
                             "densities 0.1%, 0.25%, 0.5%, 1%, 2%, 5%\n"),
              r.output);
   BOOST_TEST(test::contains(r.output, "  stem block1 block2   head    all topk  vs_fp32"), r.output);
+  // The check by codec, and apart for the layers that left TopK for a quantizer.
+  static const std::regex from_topk(
+      R"(\n# of those, layers that left TopK for a quantizer: (\(none\)|\d bits \d+\.\d{3} \(\d+\)(, \d bits \d+\.\d{3} \(\d+\))*)\n)");
+  BOOST_TEST(std::regex_search(r.output, from_topk), r.output);
   // The table: epoch, steps, the mean bits of the 4 groups and of all, then the count of
   // adaptive layers on TopK.
   static const std::regex row(R"(\n +(\d+) +\d+-\d+ +(?:\d+\.\d\d +){5}(\d+) )");
