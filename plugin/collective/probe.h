@@ -30,7 +30,9 @@
 //  - measures, with Backend::measure, every candidate on the sample's gradients alone
 //    (`reference`, the sample's content), and on its REAL state (each rank's g + r; the
 //    owner's sum, simulated with the current codecs, plus the real owner residual):
-//    `current`, where a switch to the candidate would start from;
+//    `current`, where a switch to the candidate would start from (under sra, a
+//    quantizer of a layer that is gathered now has that switch's step simulated on the
+//    real state, both stages: simulate_current_of_unreduced);
 //  - measures the call's realized error on the sample: its output minus the exact
 //    reduction of what it encoded, sum_p w (g_p + r_p) + r2: `realized`.
 // The engine measures every candidate on the whole layers' gradients alone too
@@ -74,7 +76,8 @@ struct ProbeSettings {
 // Where the probe writes one call's measurements (backend memory, zeroed by the caller),
 // for the layers this rank simulates; tables of L layers x C candidate columns:
 // simulated[l * C + k] and its flag simulated_nonfinite[l * C + k]; reference[l * C + k]
-// and current[l * C + k] (with reference_nonfinite[l] for both); realized[l]
+// and current[l * C + k] (with reference_nonfinite[l] for both; the simulated part of
+// current flags simulated_nonfinite[l * C + k]); realized[l]
 // (realized_nonfinite[l]).
 struct ProbeOutput {
   double* simulated = nullptr;
