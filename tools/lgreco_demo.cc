@@ -940,13 +940,14 @@ class Report {
             const bool from_topk = l < previous_choice_.size() && previous_choice_[l] < candidates_.size() &&
                                    candidates_[previous_choice_[l]].family() == CodecFamily::kTopk &&
                                    candidates_[choice].family() == CodecFamily::kQuant;
-            for (CodecCheck* c : {&by_codec_[choice], from_topk ? &from_topk_[choice] : nullptr}) {
-              if (!c) continue;
-              c->realized += e.layer_compression[l];
+            const auto count = [&](CodecCheck& c) {
+              c.realized += e.layer_compression[l];
               if (k < e.assignment->predicted.size())
-                c->predicted += e.assignment->predicted[k] * static_cast<double>(e.steps);
-              ++c->layer_epochs;
-            }
+                c.predicted += e.assignment->predicted[k] * static_cast<double>(e.steps);
+              ++c.layer_epochs;
+            };
+            count(by_codec_[choice]);
+            if (from_topk) count(from_topk_[choice]);
             if (default_choice < candidates_.size()) {
               uniform_realized += e.layer_uniform[l];
               const double budget = k < e.assignment->budget.size() ? e.assignment->budget[k] : 0.0;

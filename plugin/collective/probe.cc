@@ -333,6 +333,7 @@ void BucketProbe::simulate_current_of_unreduced(Backend& backend, const Call& ca
   const uint64_t vbytes = virtual_ * sizeof(float);
   const auto block = [&](int p, int b) { return buf.recv + (static_cast<uint64_t>(p) * 3 + b) * mine_; };
   const ElementSpan sum = floats(buf.sum), input = floats(buf.inputs);
+  const uint64_t noise_seed = seed_ ^ 0x637572ull;  // not the shadows' rounding noise
   backend.fill_zero(buf.sum, vbytes);
   for (int p = 0; p < n; ++p) {
     backend.gather(replicate_, floats(block(p, 0)), mine_, 1.0f, false, buf.inputs);
@@ -343,7 +344,7 @@ void BucketProbe::simulate_current_of_unreduced(Backend& backend, const Call& ca
       continue;
     }
     backend.fill_zero(buf.error, vbytes);
-    const NoiseBase noise{seed_ ^ 0x637572ull, static_cast<uint32_t>(p), call.step, 0};
+    const NoiseBase noise{noise_seed, static_cast<uint32_t>(p), call.step, 0};
     backend.encode(sim_plan_, segments, input, buf.error, 0, buf.flags, noise, buf.payload, 0);
     backend.decode_accumulate(sim_plan_, segments, buf.payload, 0, sum);
     backend.distance(segments, floats(buf.error), nullptr, 2, static_cast<double>(w) * w, out.current,
@@ -352,7 +353,7 @@ void BucketProbe::simulate_current_of_unreduced(Backend& backend, const Call& ca
   if (call.average) backend.divide(buf.sum, virtual_, static_cast<float>(n));
   backend.fill_zero(buf.error, vbytes);
   for (int p = 0; p < n; ++p) backend.gather(replicate_, floats(block(p, 2)), mine_, 1.0f, true, buf.error);
-  const NoiseBase noise{seed_ ^ 0x637572ull, NoiseBase::kReencodeRankBit | static_cast<uint32_t>(rank_), call.step, 0};
+  const NoiseBase noise{noise_seed, NoiseBase::kReencodeRankBit | static_cast<uint32_t>(rank_), call.step, 0};
   backend.encode(sim_plan_, segments, sum, buf.error, 0, nullptr, noise, buf.payload, 0);
   backend.distance(segments, floats(buf.error), nullptr, 2, 1.0, out.current, out.simulated_nonfinite);
 }
