@@ -767,6 +767,7 @@ struct Totals {
   double alpha_eff = 0;                   // summed over steps
   std::vector<double> layer_compression;  // per layer, the adaptive run's, summed over steps
   std::vector<double> layer_uniform;      // per layer, the uniform run's, summed over steps
+  std::vector<double> layer_norm;         // per layer, ||sum of the gradients||^2 summed over steps
 };
 
 // Realized over predicted compression error of the layers at one codec.
@@ -837,9 +838,11 @@ class Report {
       }
     }
     current_.layer_uniform.resize(n);
+    current_.layer_norm.resize(n);
     for (size_t l = 0; l < n; ++l) {
       current_.layer_compression[l] += e.compression[kAdaptiveRun][l];
       current_.layer_uniform[l] += e.compression[kUniformRun][l];
+      current_.layer_norm[l] += e.norm[l];
     }
   }
 
@@ -859,6 +862,36 @@ class Report {
   // (its name, its share of the forecast and its realized over forecast error); empty
   // where there was no forecast.
   const std::string& worst_later_miss() const { return worst_later_miss_; }
+
+  // The reference's own noise, in hindsight. Each layer's uniform error per unit of the
+  // exact sum's energy over all the adaptive epochs after the first is its steady rate;
+  // times an epoch's energy it is that epoch's steady budget, the best a forecast that
+  // assumes the gradients' shape stays put can know. Per epoch: the uniform run's error
+  // over that budget (the noise no forecast sees), and the adaptive run's (the solve's
+  // own miss); the product of the second and the inverse of the first is the epoch's
+  // ratio. Empty before two such epochs.
+  struct Hindsight {
+    std::vector<double> uniform_vs_steady, adaptive_vs_steady;
+  };
+  Hindsight hindsight() const {
+    Hindsight h;
+    if (later_.size() < 2) return h;
+    const size_t n = model_.layers.size();
+    std::vector<double> rate(n, 0.0);
+    for (size_t l = 0; l < n; ++l) {
+      double error = 0, norm = 0;
+      for (const Totals& e : later_) error += e.layer_uniform[l], norm += e.layer_norm[l];
+      rate[l] = norm > 0 ? error / norm : 0.0;
+    }
+    for (const Totals& e : later_) {
+      double steady = 0;
+      for (size_t l = 0; l < n; ++l) steady += rate[l] * e.layer_norm[l];
+      if (!(steady > 0)) return Hindsight{};
+      h.uniform_vs_steady.push_back(e.compression[kUniformRun] / steady);
+      h.adaptive_vs_steady.push_back(e.compression[kAdaptiveRun] / steady);
+    }
+    return h;
+  }
 
   // Realized over predicted compression error by codec, over the adaptive epochs after
   // the first (their assignments were solved from windows under adaptive assignments);
@@ -917,6 +950,7 @@ class Report {
 
   void check_epoch(const Totals& e) {
     const double ratio = e.compression[kUniformRun] > 0 ? e.compression[kAdaptiveRun] / e.compression[kUniformRun] : 0;
+    if (e.epoch > 1) later_.push_back(e);
     if (e.epoch > 1) {
       // Predicted: what the solve predicted per step for each layer's codec over the epoch
       // (its estimate through the switch's transient, times the drift; controller layers
@@ -1037,6 +1071,7 @@ class Report {
   std::vector<uint8_t> previous_choice_;  // the last finished epoch's
   double worst_later_ = 0, worst_later_uniform_ = 0;
   std::string worst_later_miss_;
+  std::vector<Totals> later_;  // the adaptive epochs after the first, for hindsight()
   uint64_t probe_sampled_ = 0;
   std::vector<collective::Algorithm> algorithms_;
 };
@@ -1178,6 +1213,24 @@ int run(int argc, char** argv) {
       "run's own error %.4f of what the solve's statistics forecast for it%s%s\n",
       report.worst_later_epoch(), report.worst_later_uniform_vs_forecast(),
       report.worst_later_miss().empty() ? "" : "; its largest miss: ", report.worst_later_miss().c_str());
+  if (const Report::Hindsight h = report.hindsight(); !h.uniform_vs_steady.empty()) {
+    const auto list = [](const std::vector<double>& v) {
+      std::string s;
+      for (double x : v) {
+        char cell[32];
+        snprintf(cell, sizeof cell, "%s%.3f", s.empty() ? "" : " ", x);
+        s += cell;
+      }
+      return s;
+    };
+    printf(
+        "# in hindsight, adaptive epochs after the first: the uniform run's error over its steady budget (each "
+        "layer's uniform error per unit of the exact sum's energy over these epochs, times the epoch's energy): %s; "
+        "the adaptive run's: %s; so a solve that spent each steady budget exactly would read up to %.4f of the "
+        "uniform run's in one epoch\n",
+        list(h.uniform_vs_steady).c_str(), list(h.adaptive_vs_steady).c_str(),
+        1.0 / *std::min_element(h.uniform_vs_steady.begin(), h.uniform_vs_steady.end()));
+  }
   printf("# %.1f s; per rank: gradients %.1f s, allreduce %.1f s, error check %.1f s\n", seconds, mean.generate,
          mean.allreduce, mean.check);
   printf(

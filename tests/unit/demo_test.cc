@@ -144,6 +144,22 @@ BOOST_AUTO_TEST_CASE(registration_file_on_four_ranks) {
       m[0]);
   BOOST_TEST((std::stoi(m[4]) > 0 && std::stoi(m[4]) <= 100), m[0]);
   BOOST_TEST(std::stod(m[5]) > 0.0, m[0]);
+  const double worst_epoch = std::stod(m[1]);
+  // In hindsight, per later epoch (2 and 3): the uniform run's and the adaptive run's error
+  // over the epoch's steady budget; their ratio is the epoch's, the worst of them the one
+  // above.
+  static const std::regex hindsight(
+      R"(
+# in hindsight, adaptive epochs after the first: the uniform run's error over its steady budget \(.*\): )"
+      R"((\d+\.\d+) (\d+\.\d+); the adaptive run's: (\d+\.\d+) (\d+\.\d+); so a solve that spent each steady )"
+      R"(budget exactly would read up to (\d+\.\d+) of the uniform run's in one epoch
+)");
+  BOOST_TEST_REQUIRE(std::regex_search(r.output, m, hindsight), r.output);
+  const double uniform[] = {std::stod(m[1]), std::stod(m[2])}, adaptive[] = {std::stod(m[3]), std::stod(m[4])};
+  BOOST_TEST((uniform[0] > 0 && uniform[1] > 0 && adaptive[0] > 0 && adaptive[1] > 0), m[0]);
+  BOOST_TEST(std::max(adaptive[0] / uniform[0], adaptive[1] / uniform[1]) == worst_epoch,
+             boost::test_tools::tolerance(0.01));
+  BOOST_TEST(std::stod(m[5]) == 1.0 / std::min(uniform[0], uniform[1]), boost::test_tools::tolerance(0.01));
   check_decision_log(log, r.output, 3, 4);
 }
 
