@@ -171,22 +171,29 @@ Controller::Counters Controller::counters() const {
   return counters_;
 }
 
-void Controller::submit(uint64_t window_last_step, ErrorStats aggregated, std::optional<CostModel> cost_model) {
+void Controller::submit(uint64_t window_last_step, ErrorStats aggregated, std::optional<CostModel> cost_model,
+                        std::optional<ErrorStats> lead) {
   if (!schedule_.window_ends(window_last_step))
     throw std::invalid_argument("Controller::submit: step " + std::to_string(window_last_step) +
                                 " does not end a measurement window");
   if (aggregated.layers() != layers_.size() || aggregated.metric() != settings_.metric)
     throw std::invalid_argument("Controller::submit: statistics of another shape or metric");
-  for (size_t l = 0; l < layers_.size(); ++l)
-    if (aggregated.candidates(l) != layers_[l].candidates.size())
-      throw std::invalid_argument("Controller::submit: statistics of another shape (layer " + std::to_string(l) + ")");
+  for (const ErrorStats* s : {&aggregated, lead ? &*lead : nullptr}) {
+    if (!s) continue;
+    if (s->layers() != layers_.size() || s->metric() != settings_.metric)
+      throw std::invalid_argument("Controller::submit: statistics of another shape or metric");
+    for (size_t l = 0; l < layers_.size(); ++l)
+      if (s->candidates(l) != layers_[l].candidates.size())
+        throw std::invalid_argument("Controller::submit: statistics of another shape (layer " + std::to_string(l) +
+                                    ")");
+  }
   const uint64_t epoch = ++submitted_;
   const uint64_t effective = schedule_.effective_step(window_last_step);
   switches_.emplace_back(epoch, effective);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     jobs_.push_back(Job{epoch, window_last_step, effective, std::move(aggregated),
-                        cost_model ? std::move(*cost_model) : settings_.cost_model});
+                        cost_model ? std::move(*cost_model) : settings_.cost_model, std::move(lead)});
   }
   work_ready_.notify_one();
 }
@@ -377,33 +384,61 @@ std::vector<double> Controller::drift_of(const ErrorStats& stats, uint64_t windo
 // reached 1.07. The windows before measured the same candidates on other gradients of the
 // same layer: each quantization candidate's error is pooled as error per unit of energy
 // (the error follows the gradient's scale squared; the energy, (sum |g|)^2, is robust to
-// the tails) over the windows that measured kPoolSteps steps (this one's included), times
-// this window's energy; only windows that ended within kPoolSpan steps of this one count:
-// pooled over 60 steps (`--period 20`), the demo's seed 2 reached 1.075 of the uniform
-// run's in a later epoch (unpooled: 1.020), as the error per energy moves over such spans
-// too (an error-feedback residual, for one, holds gradients of past scales). So a window
-// of kPoolSteps steps or more (a real schedule's 10), or one whose windows are further
-// apart than kPoolSpan, is its own pool, and slow changes of the gradients' shape are
-// followed at once there. TopK and PowerSGD candidates are not pooled: their errors grow
-// with the age of their state, which differs from window to window (transient_of).
-void Controller::record_pools(const ErrorStats& stats, uint64_t window_last) {
+// the tails) over the newest points that measured kPoolSteps steps (this window's
+// included), weighted by their steps, times this window's energy. Where windows are
+// shorter than kPoolSteps (pools_lead), each window's lead (its probe steps before it,
+// which the engine then measures the same way) is a point of its own: 2-step windows see
+// 2 of the demo's 5 steps, and on its seed 7 a small layer whose error spiked on the last
+// steps of two windows held three epochs' budgets 1.2x high. The first window's lead is
+// not measured (its shadows are young there). Only points that ended within kPoolSpan
+// steps of this window count: pooled over 60 steps (`--period 20`, before the leads
+// were), the demo's seed 2 reached 1.075 of the uniform run's in a later epoch (unpooled:
+// 1.020), as the error per energy moves over such spans too (an error-feedback residual,
+// for one, holds gradients of past scales). So a window of kPoolSteps steps or more (a
+// real schedule's 10), or whose lead and windows before lie further back than kPoolSpan,
+// is its own pool, and slow changes of the gradients' shape are followed at once there.
+// TopK and PowerSGD candidates are not pooled: their errors grow with the age of their
+// state, which differs from window to window (transient_of).
+// Only where the probe runs at every step after the warmup: the shadows then see every
+// gradient, and a lead step's are in the state a window step's would be. After a gap (the
+// demo's `--period 20`: 8 steps unprobed of 20) they hold residuals of gradients that
+// many steps old; with its 10-step leads pooled, seed 2's last two epochs reached 1.075
+// and 1.081 of the uniform run's (its windows alone: 1.020).
+bool Controller::pools_lead() const {
+  const ScheduleSettings& s = settings_.schedule;
+  return s.window < kPoolSteps && s.period <= s.window + s.probe_lead;
+}
+
+void Controller::record_pools(const ErrorStats& stats, const ErrorStats* lead, uint64_t window_last) {
   const uint64_t window = std::max<uint64_t>(settings_.schedule.window, 1);
-  const size_t windows = static_cast<size_t>((kPoolSteps + window - 1) / window);
   for (size_t l = 0; l < layers_.size(); ++l) {
     const std::vector<Candidate>& candidates = layers_[l].candidates;
     pools_[l].resize(candidates.size());
     pool_factor_[l].assign(candidates.size(), 1.0);
     const double m = stats.magnitude_mean(l), energy = m * m;
     if (stats.samples(l) == 0 || !(energy > 0) || !std::isfinite(energy)) continue;
+    const double lead_m = lead ? lead->magnitude_mean(l) : 0.0;
+    const bool lead_measured = lead && lead->samples(l) > 0 && lead_m > 0 && std::isfinite(lead_m * lead_m);
     for (uint32_t c = 0; c < candidates.size(); ++c) {
       const double error = stats.mean(l, c);
       if (codec_family(candidates[c].codec) != "quant" || !(error > 0) || !std::isfinite(error)) continue;
       std::deque<PoolPoint>& points = pools_[l][c];
-      points.push_back({error, energy, window_last});
-      while (points.size() > windows || window_last - points.front().window_last >= kPoolSpan) points.pop_front();
+      // The lead's steps, then the window's.
+      if (const double e = lead_measured ? lead->mean(l, c) : 0.0; e > 0 && std::isfinite(e))
+        points.push_back({e, lead_m * lead_m, window_last - window, lead->samples(l)});
+      points.push_back({error, energy, window_last, stats.samples(l)});
+      // The newest points that measured kPoolSteps steps, within kPoolSpan.
+      uint64_t steps = 0;
+      for (const PoolPoint& p : points) steps += p.steps;
+      while (points.size() > 1 &&
+             (steps - points.front().steps >= kPoolSteps || window_last - points.front().last_step >= kPoolSpan))
+        steps -= points.front().steps, points.pop_front();
       if (points.size() < 2) continue;  // its own pool: the factor is 1, exactly
       double errors = 0, energies = 0;
-      for (const PoolPoint& p : points) errors += p.error, energies += p.energy;
+      for (const PoolPoint& p : points) {
+        const auto n = static_cast<double>(p.steps);
+        errors += n * p.error, energies += n * p.energy;
+      }
       const double f = errors / energies * energy / error;
       if (std::isfinite(f) && f > 0) pool_factor_[l][c] = f;
     }
@@ -808,7 +843,7 @@ std::shared_ptr<const Assignment> Controller::solve_job(const Job& job) {
   try {
     // The loop first: its state moves whether or not this solve succeeds.
     pooled_topk_correlation_.reset();  // of this window
-    record_pools(job.stats, job.window_last_step);
+    record_pools(job.stats, job.lead && pools_lead() ? &*job.lead : nullptr, job.window_last_step);
     const WindowReading reading = read_window(job.stats);
     update_loop(reading);
     const std::vector<double> drift = drift_of(job.stats, job.window_last_step);

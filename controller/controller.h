@@ -172,7 +172,14 @@ class Controller {
   // summed across ranks, and (for the time objective) the cost model measured over that
   // window, the same on every rank; without one the settings' model is used. Never waits
   // for a solve.
-  void submit(uint64_t window_last_step, ErrorStats aggregated, std::optional<CostModel> cost_model = std::nullopt);
+  // `lead`: the same statistics of the window's lead steps (its probe steps before it, from
+  // the last window on), where pools_lead(): the quantizers' pools take them in.
+  void submit(uint64_t window_last_step, ErrorStats aggregated, std::optional<CostModel> cost_model = std::nullopt,
+              std::optional<ErrorStats> lead = std::nullopt);
+  // Whether the quantization candidates' pools take in the lead steps' statistics
+  // (record_pools): windows of fewer than kPoolSteps steps, in a schedule whose probe runs
+  // at every step after the warmup (its leads fill the periods).
+  bool pools_lead() const;
 
   // Stops the solver thread (an unfinished solve completes first; queued ones are
   // dropped) and joins it. Later calls of assignment_for_step() return the current
@@ -193,6 +200,7 @@ class Controller {
     uint64_t epoch, window_last_step, effective_step;
     ErrorStats stats;
     CostModel cost_model;
+    std::optional<ErrorStats> lead;  // submit()'s
   };
   struct Result {
     uint64_t epoch;
@@ -225,10 +233,11 @@ class Controller {
   double relative_of(const ErrorStats& stats, size_t layer, double error) const;
   std::vector<double> drift_of(const ErrorStats& stats, uint64_t window_last) const;
   // The quantization candidates' errors pooled over the last windows (controller.cc,
-  // record_pools): this window's over its energy, with the windows before it that ended
-  // within kPoolSpan steps, kPoolSteps steps of them; per layer and candidate, the factor
-  // from the window's own estimate to the pool (1: not pooled).
-  void record_pools(const ErrorStats& stats, uint64_t window_last);
+  // record_pools): this window's over its energy, with its lead's (`lead`: null where not
+  // pools_lead()) and the windows' and leads' before it that ended within kPoolSpan steps,
+  // kPoolSteps steps of them; per layer and candidate, the factor from the window's own
+  // estimate to the pool (1: not pooled).
+  void record_pools(const ErrorStats& stats, const ErrorStats* lead, uint64_t window_last);
   double pool_factor(size_t layer, uint32_t candidate) const;
   struct EnergyPoint {
     double t, energy;  // a window's (or the first lead's) middle, counted from 1; magnitude^2
@@ -313,8 +322,9 @@ class Controller {
   // Per layer and candidate, the error and the gradient's energy of the last windows
   // (record_pools), and the factor from the window being solved to their pool.
   struct PoolPoint {
-    double error, energy;
-    uint64_t window_last;
+    double error, energy;  // per step
+    uint64_t last_step;    // the window's or the lead's last
+    uint64_t steps;        // measured
   };
   static constexpr uint64_t kPoolSteps = 8, kPoolSpan = 16;
   std::vector<std::vector<std::deque<PoolPoint>>> pools_;

@@ -218,6 +218,7 @@ struct Engine::Sample {
   ProbeOutput probe;             // where the error probe writes
   double* magnitude = nullptr;   // where the layers' magnitude goes
   bool lead = false;             // a step of the first window's lead: the magnitude alone
+  bool pool = false;             // a lead step of a later window: for the quantizers' pools
 
   struct Layout {
     uint64_t measured = 0, simulated, reference, current, independent, realized, nonfinite, simulated_nonfinite,
@@ -365,6 +366,7 @@ struct Engine::PendingSum {
   uint64_t window_last = 0, sent_at = 0;
   size_t statistics = 0, exchanges = 0;  // doubles of the statistics; timed exchanges per rank
   double encoded = 0;                    // encoded bytes of the timed calls, the same on every rank
+  std::optional<controller::ErrorStats> lead;  // the lead's statistics (pooled_lead_), summed after the window's
   std::unique_ptr<Event> ready;
 };
 
@@ -459,6 +461,7 @@ Engine::Engine(EngineOptions options, std::vector<BucketLayout> buckets, Fabric&
       }
     }
     stats_.emplace(new_window_stats());
+    pooled_lead_.emplace(new_window_stats());
   }
   // The agreement's records: allocated here, so that comparing configurations can never
   // fail on one rank alone.
@@ -721,10 +724,10 @@ std::unique_ptr<Engine::Staged> Engine::stage(std::shared_ptr<const controller::
     // many calls behind) allocates them, and measures less if it cannot (begin_sample).
     if (spare_samples_.empty() && samples_.empty())
       for (size_t b = 0; b < buckets_.size(); ++b) spare_samples_.push_back(new_sample(static_cast<uint32_t>(b)));
-    // The window's sum: the statistics, then the codec's time and elements, then each
-    // rank's slot of exchange times.
+    // The window's sum: the statistics, the lead's, then the codec's time and elements,
+    // then each rank's slot of exchange times.
     if (!window_sum_) {
-      const uint64_t bytes = (stats_->reduction_buffer().size() + 2 + n * kMaxTimedExchanges) * sizeof(double);
+      const uint64_t bytes = (2 * stats_->reduction_buffer().size() + 2 + n * kMaxTimedExchanges) * sizeof(double);
       window_sum_ = backend_.allocate(bytes);
       window_sum_host_ = backend_.allocate_host(bytes);
     }
@@ -969,8 +972,14 @@ CallOutcome Engine::run(const EngineCall& call) {
   // Before the first window, its lead's steps measure the gradient's magnitude alone: the
   // first solve's drift has no window before it to compare with.
   const bool leading = controller_ && !measuring && controller_->schedule().leads_first_window(call.step);
-  Sample* sample = measuring || leading ? begin_sample(b, call) : nullptr;
-  if (sample) sample->lead = leading;
+  // The leads of the later windows measure for the quantizers' pools, where the controller
+  // pools them (Controller::pools_lead): their windows alone see too few steps. Not the
+  // first window's (step 0 included): its shadows are still young there.
+  const bool pooling = controller_ && !measuring && controller_->pools_lead() &&
+                       call.step >= controller_->schedule().settings().warmup &&
+                       controller_->schedule().probes(call.step);
+  Sample* sample = measuring || leading || pooling ? begin_sample(b, call) : nullptr;
+  if (sample) sample->lead = leading, sample->pool = pooling;
   CallTiming timing;
   timing.in_window = measuring;
   timing.quant_elements = b.quant_elements;
@@ -979,11 +988,11 @@ CallOutcome Engine::run(const EngineCall& call) {
   // The error probe first, while the residuals still hold what this call adds to its input.
   const bool probing = b.probe && controller_->schedule().probes(call.step);
   if (probing) probe_step(b, call, leading ? nullptr : sample);
-  if (probing && b.lowrank_probe) lowrank_probe_step(b, call, leading ? nullptr : sample);
+  if (probing && b.lowrank_probe) lowrank_probe_step(b, call, leading || pooling ? nullptr : sample);
   if (sample && leading) {
     measure_magnitude(b, call, *sample);
   } else if (sample) {
-    measure_lowrank(b, call, *sample);
+    if (!pooling) measure_lowrank(b, call, *sample);  // low-rank candidates are not pooled
     measure_whole_layers(b, call, *sample);
   }
   if (b.algorithm == Algorithm::kAllGather) {
@@ -1121,7 +1130,6 @@ void Engine::collect_samples(bool wait) {
       }
       bad |= mine && (host[at.reference_nonfinite + l] != 0 || host[at.realized_nonfinite + l] != 0);
       if (bad) values[0].assign(values[0].size(), std::numeric_limits<double>::infinity());
-      // A non-finite sample is counted as skipped.
       controller::ErrorStats::Sample sample;
       sample.measured = values[0];
       sample.simulated = values[1];
@@ -1131,7 +1139,8 @@ void Engine::collect_samples(bool wait) {
       sample.realized = mine ? realized[l] : 0.0;
       sample.magnitude = magnitude[l];
       sample.counted = !b.probe || mine;
-      stats_->add(static_cast<size_t>(k), sample);  // a non-finite sample is counted as skipped
+      // A non-finite sample is counted as skipped.
+      (s.pool ? *pooled_lead_ : *stats_).add(static_cast<size_t>(k), sample);
     }
     spare_samples_.push_back(std::move(samples_.front()));
     samples_.pop_front();
@@ -1206,7 +1215,15 @@ void Engine::send_window_sum(uint64_t step) {
   // what the link costs. Every rank timed the same exchanges.
   const int n = fabric_.size();
   const std::span<double> local = stats_->reduction_buffer();
-  p->statistics = local.size();
+  // The lead's statistics travel with the window's, where the controller pools them; the
+  // next lead's collect into a fresh accumulator meanwhile.
+  std::span<double> lead;
+  if (controller_->pools_lead()) {
+    p->lead = std::move(*pooled_lead_);
+    pooled_lead_.emplace(new_window_stats());
+    lead = p->lead->reduction_buffer();
+  }
+  p->statistics = local.size() + lead.size();
   p->exchanges = window_.exchange_seconds.size();
   p->encoded = window_.encoded_bytes;
   const size_t count = p->statistics + 2 + n * p->exchanges;
@@ -1215,7 +1232,7 @@ void Engine::send_window_sum(uint64_t step) {
   // Pinned: the upload reads it later, and the sum comes back to it. Rewritten only at the
   // next window, after this sum was read.
   auto* host = static_cast<double*>(window_sum_host_->data());
-  std::copy(local.begin(), local.end(), host);
+  std::copy(lead.begin(), lead.end(), std::copy(local.begin(), local.end(), host));
   double* cost = host + p->statistics;
   std::fill(cost, cost + 2 + n * p->exchanges, 0.0);
   cost[0] = window_.codec_seconds;
@@ -1235,7 +1252,8 @@ void Engine::submit_window_sum() {
   const int n = fabric_.size();
   const double* all = static_cast<const double*>(window_sum_host_->data());
   const std::span<double> local = stats_->reduction_buffer();
-  std::copy(all, all + p->statistics, local.begin());
+  std::copy(all, all + local.size(), local.begin());
+  if (p->lead) std::copy(all + local.size(), all + p->statistics, p->lead->reduction_buffer().begin());
   const double* cost = all + p->statistics;
   double exchange_s = 0;
   for (size_t k = 0; k < p->exchanges; ++k) {
@@ -1256,7 +1274,8 @@ void Engine::submit_window_sum() {
                 static_cast<unsigned long long>(p->window_last), model->link.bandwidth, quant_throughput_);
   }
   last_window_stats_ = *stats_;
-  controller_->submit(p->window_last, std::move(*stats_), model);
+  last_lead_stats_ = p->lead;
+  controller_->submit(p->window_last, std::move(*stats_), model, std::move(p->lead));
   stats_.emplace(new_window_stats());
   switch_due_ = controller_->schedule().effective_step(p->window_last);
 }

@@ -161,6 +161,9 @@ class Engine {
   // The statistics of the last window, summed across ranks, as submitted to the
   // controller (empty before the first): for tests and diagnostics.
   const std::optional<controller::ErrorStats>& last_window_stats() const { return last_window_stats_; }
+  // The same of its lead's steps, where the controller pools them (Controller::pools_lead;
+  // empty otherwise): for tests and diagnostics.
+  const std::optional<controller::ErrorStats>& last_lead_stats() const { return last_lead_stats_; }
   // Values the error probe samples, over all buckets (0 without a controller), and a
   // bucket's probe (null without one): for tests and diagnostics.
   uint64_t probe_sampled() const;
@@ -254,6 +257,8 @@ class Engine {
 
   // Statistics of the current window.
   std::optional<controller::ErrorStats> stats_, last_window_stats_;
+  // The lead steps' statistics of the coming window, where the controller pools them.
+  std::optional<controller::ErrorStats> pooled_lead_, last_lead_stats_;
   std::optional<uint64_t> window_end_;  // the window being measured ends at this step
   std::deque<std::unique_ptr<Sample>> samples_;  // measured, not yet in stats_
   std::vector<std::unique_ptr<Sample>> spare_samples_;

@@ -565,6 +565,25 @@ BOOST_AUTO_TEST_CASE(the_first_solve_takes_its_drift_from_the_windows_lead) {
 // of up to 1.5 while the energy grows; every solve's budget and prediction must be the
 // pooled ones, times the drift (and the solve's budget alpha x their sum), and a window of
 // 8 steps its own.
+// A layer's candidates' errors, where candidate c has 4 << c levels and errs `error` at
+// c = 2 (15 levels), scaled by the squared step size; a single-candidate layer errs 0.
+std::vector<double> quantizer_errors(const Layer& layer, double error) {
+  std::vector<double> e;
+  for (uint32_t c = 0; c < layer.candidates.size(); ++c) {
+    const double levels = static_cast<double>((4u << c) - 1);
+    e.push_back(layer.candidates.size() == 1 ? 0.0 : error * (15 / levels) * (15 / levels));
+  }
+  return e;
+}
+
+// A sample of those errors and the gradient's magnitude.
+ErrorStats::Sample quantizer_sample(std::span<const double> errors, double magnitude) {
+  ErrorStats::Sample sample;
+  sample.measured = errors;
+  sample.magnitude = magnitude;
+  return sample;
+}
+
 BOOST_AUTO_TEST_CASE(quantizers_errors_are_pooled_over_short_windows) {
   const auto layers = make_layers(3);
   const std::vector<double> noise = {1.5, 0.6, 1.3, 0.8, 1.1, 0.7, 1.4, 0.9};
@@ -623,16 +642,8 @@ BOOST_AUTO_TEST_CASE(quantizers_errors_are_pooled_over_short_windows) {
       const size_t k = windows;
       for (size_t l = 0; l < layers.size(); ++l) {
         const double magnitude = 100.0 * (1 + l) * (1 + 0.2 * static_cast<double>(k));
-        const double error = noise[k] * base[l] * magnitude * magnitude;
-        std::vector<double> e;
-        for (uint32_t c = 0; c < layers[l].candidates.size(); ++c) {
-          const double levels = static_cast<double>((4u << c) - 1);
-          e.push_back(layers[l].candidates.size() == 1 ? 0.0 : error * (15 / levels) * (15 / levels));
-        }
-        ErrorStats::Sample sample;
-        sample.measured = e;
-        sample.magnitude = magnitude;
-        stats.add(l, sample);
+        const std::vector<double> e = quantizer_errors(layers[l], noise[k] * base[l] * magnitude * magnitude);
+        stats.add(l, quantizer_sample(e, magnitude));
         if (history[l].size() == k) history[l].push_back({e.size() > 1 ? e[2] : 0.0, magnitude * magnitude});
       }
       if (controller.schedule().window_ends(step)) {
@@ -644,6 +655,85 @@ BOOST_AUTO_TEST_CASE(quantizers_errors_are_pooled_over_short_windows) {
     BOOST_TEST(epochs_checked + 1 >= noise.size());
     if (window < 8) BOOST_TEST(pooled_checks >= 6u);
   }
+}
+
+// A window of 2 steps every 5 sees 2 of them; its lead's steps (the probe's from the last
+// window on) join the quantizers' pools (Controller::pools_lead, record_pools): each
+// solve's budget must be the window's default error times the drift times the pool of the
+// newest leads and windows that measured 8 steps within 16, each weighed by its steps; the
+// first window's lead (before `warmup`, young shadows) is never submitted.
+BOOST_AUTO_TEST_CASE(the_leads_steps_join_the_quantizers_pools) {
+  const auto layers = make_layers(3);
+  const ControllerSettings settings = small_schedule(5, 5, 2, 2);
+  Controller controller(settings, layers);
+  BOOST_TEST(controller.pools_lead());
+  BOOST_TEST(!Controller(small_schedule(20, 20, 8, 2), layers).pools_lead());  // a long window: its own pool
+  BOOST_TEST(!Controller(small_schedule(20, 20, 2, 2), layers).pools_lead());  // 8 steps unprobed per period
+  BOOST_TEST(Controller(small_schedule(20, 12, 2, 2), layers).pools_lead());   // the lead of 10 fills it
+  std::mt19937_64 rng(test::run_seed());
+  std::uniform_real_distribution<double> noise(0.6, 1.5), jitter(0.9, 1.1);
+  std::vector<double> base;
+  for (size_t l = 0; l < layers.size(); ++l) base.push_back(jitter(rng) * static_cast<double>(1 + l));
+  struct Point {
+    double error, energy;
+    uint64_t steps, last;
+  };
+  std::vector<std::vector<Point>> points(layers.size());        // as submitted, leads before windows
+  std::vector<std::vector<Point>> windows_only(layers.size());  // the windows alone
+  std::vector<std::vector<double>> expected(layers.size());     // per window: the pool's factor
+  std::vector<double> window_error(layers.size());
+  ErrorStats stats = controller.new_stats(), lead = controller.new_stats();
+  uint64_t epochs_checked = 0;
+  size_t lead_mattered = 0, windows = 0;
+  for (uint64_t step = 0; windows < 8; ++step) {
+    const auto a = controller.assignment_for_step(step);
+    if (a->epoch > epochs_checked) {
+      epochs_checked = a->epoch;
+      const size_t k = static_cast<size_t>(a->epoch) - 1;
+      for (size_t l = 0; l + 1 < layers.size(); ++l)
+        BOOST_TEST(a->budget[l] == window_error[l] * a->drift[l] * expected[l][k], boost::test_tools::tolerance(1e-9));
+    }
+    const bool measures = controller.schedule().measures(step);
+    if (!measures && step < settings.schedule.warmup) continue;  // the first window's lead: not pooled
+    ErrorStats& into = measures ? stats : lead;
+    for (size_t l = 0; l < layers.size(); ++l) {
+      const double magnitude = 100.0 * (1 + l) * (1 + 0.05 * static_cast<double>(step));
+      const std::vector<double> e = quantizer_errors(layers[l], noise(rng) * base[l] * magnitude * magnitude);
+      into.add(l, quantizer_sample(e, magnitude));
+    }
+    if (!controller.schedule().window_ends(step)) continue;
+    for (size_t l = 0; l + 1 < layers.size(); ++l) {
+      const auto point = [](const ErrorStats& s, size_t layer, uint64_t last) {
+        const double m = s.magnitude_mean(layer);
+        return Point{s.mean(layer, 2), m * m, s.samples(layer), last};
+      };
+      // The pool's factor: the newest points that measured 8 steps, within 16 steps.
+      const auto factor = [step](std::vector<Point>& p) {
+        uint64_t steps = 0;
+        for (const Point& x : p) steps += x.steps;
+        while (p.size() > 1 && (steps - p.front().steps >= 8 || step - p.front().last >= 16))
+          steps -= p.front().steps, p.erase(p.begin());
+        if (p.size() < 2) return 1.0;
+        double errors = 0, energies = 0;
+        for (const Point& x : p)
+          errors += static_cast<double>(x.steps) * x.error, energies += static_cast<double>(x.steps) * x.energy;
+        return errors / energies * p.back().energy / p.back().error;
+      };
+      if (lead.samples(l) > 0) points[l].push_back(point(lead, l, step - 2));
+      points[l].push_back(point(stats, l, step));
+      windows_only[l].push_back(point(stats, l, step));
+      window_error[l] = stats.mean(l, 2);
+      const double f = factor(points[l]);
+      expected[l].push_back(f);
+      if (std::abs(f / factor(windows_only[l]) - 1) > 0.02) ++lead_mattered;  // without the leads it would differ
+    }
+    controller.submit(step, stats, std::nullopt, lead);
+    stats.clear();
+    lead.clear();
+    ++windows;
+  }
+  BOOST_TEST(epochs_checked + 1 >= windows);
+  BOOST_TEST(lead_mattered >= 6u);
 }
 
 // A TopK layer whose shadow has settled (its error barely above the gradient alone's)

@@ -936,6 +936,24 @@ BOOST_AUTO_TEST_CASE(options_from_parameters_and_layouts_from_registrations) {
   BOOST_TEST(uniform.layers[0].candidates[0].str() == quant(3).str());
 }
 
+// The squared error of one layer of an allreduce's output against the exact sum (or with
+// `average`, the mean) of the ranks' inputs, `input(r)` each rank's whole bucket.
+template <typename Input>
+double output_error(const std::vector<double>& out, const LayerLayout& layer, int ranks, bool average,
+                    const Input& input) {
+  std::vector<double> exact(layer.numel, 0.0);
+  for (int r = 0; r < ranks; ++r) {
+    const std::vector<float> x = input(r);
+    for (uint64_t i = 0; i < layer.numel; ++i) exact[i] += x[layer.offset + i];
+  }
+  double error = 0;
+  for (uint64_t i = 0; i < layer.numel; ++i) {
+    const double want = average ? exact[i] / ranks : exact[i];
+    error += (out[layer.offset + i] - want) * (out[layer.offset + i] - want);
+  }
+  return error;
+}
+
 // What the controller is told a layer's default codec costs in error is what the output
 // of the allreduce really carries: both quantizations of sra counted, and for ncclAvg the
 // first scaled by 1/P^2 like the sum it belongs to.
@@ -985,19 +1003,9 @@ BOOST_AUTO_TEST_CASE(measured_errors_are_the_output_errors) {
       BOOST_TEST_REQUIRE(stats.has_value());
       for (size_t l = 0; l < 2; ++l) {
         double realized = 0;
-        for (uint64_t step : {1u, 2u}) {
-          std::vector<double> exact(bucket.count, 0.0);
-          for (int r = 0; r < ranks; ++r) {
-            const auto x = input(r, step);
-            for (size_t i = 0; i < x.size(); ++i) exact[i] += x[i];
-          }
-          const auto out = to_double(outputs[0][step], DType::kFloat32);
-          const LayerLayout& layer = bucket.layers[l];
-          for (uint64_t i = layer.offset; i < layer.offset + layer.numel; ++i) {
-            const double want = op == ReduceOp::kAvg ? exact[i] / ranks : exact[i];
-            realized += (out[i] - want) * (out[i] - want);
-          }
-        }
+        for (uint64_t step : {1u, 2u})
+          realized += output_error(to_double(outputs[0][step], DType::kFloat32), bucket.layers[l], ranks,
+                                   op == ReduceOp::kAvg, [&](int r) { return input(r, step); });
         BOOST_TEST(stats->samples(l) == 2u);  // one per step: the probe's rank counts it
         const double measured = stats->mean(l, 2) * static_cast<double>(stats->samples(l));  // 4 bits, the default
         BOOST_TEST_CONTEXT(algorithm_name(algorithm) << (op == ReduceOp::kAvg ? " avg" : " sum") << " layer " << l
@@ -1007,6 +1015,82 @@ BOOST_AUTO_TEST_CASE(measured_errors_are_the_output_errors) {
         }
       }
     }
+}
+
+// Where windows are short (Controller::pools_lead), the steps that lead a later window are
+// measured too, the same way, and reach the controller beside the window's: the quantizers'
+// pools take them in. The first window's lead is not (its shadows are young).
+BOOST_AUTO_TEST_CASE(the_lead_steps_of_short_windows_are_measured_for_the_pools) {
+  const uint64_t seed = test::run_seed();
+  std::vector<CodecSpec> candidates;
+  for (int bits = 2; bits <= 8; ++bits) candidates.push_back(quant(bits));
+  const int ranks = 3;
+  BucketLayout bucket;
+  for (uint64_t size : {50000u, 70000u}) {
+    bucket.layers.push_back({"layer" + std::to_string(bucket.layers.size()), bucket.count, size, candidates, 2});
+    bucket.count += size;
+  }
+  auto input = [&](int r, uint64_t step) {
+    std::mt19937_64 rng(seed ^ (uint64_t(r) << 40) ^ step);
+    std::vector<float> x = test::draw(test::Dist::kNormal, bucket.count, rng);
+    for (float& v : x) v = v * (1.0f + 0.1f * static_cast<float>(step)) + 2.0f;
+    return x;
+  };
+  for (uint64_t window : {2u, 8u}) {
+    auto hub = std::make_shared<InProcHub>(ranks, 10000ms);
+    // Warmup 3, period window + 3: the first window ends at step 2, the second at step
+    // window + 5 and is submitted a step later; its lead is steps 3, 4 and 5.
+    const uint64_t last = window + 6;
+    std::vector<std::vector<float>> outputs;
+    std::optional<controller::ErrorStats> first_lead, lead, stats;
+    std::vector<std::thread> threads;
+    for (int r = 0; r < ranks; ++r)
+      threads.emplace_back([&, r] {
+        InProcFabric fabric(hub, r);
+        CpuBackend backend;
+        EngineOptions o;
+        o.codec = quant(4);
+        o.candidates = candidates;
+        o.error_feedback = false;  // each step's error is its output's alone
+        o.parameters_text = "measure";
+        o.controller.schedule = {3, window + 3, window, 1};
+        Engine engine(o, {bucket}, fabric, backend);
+        for (uint64_t step = 0; step <= last; ++step) {
+          const std::vector<float> x = input(r, step);
+          std::vector<float> y(x.size(), std::numeric_limits<float>::quiet_NaN());
+          engine.allreduce({0, step, x.data(), y.data(), bucket.count, DType::kFloat32, ReduceOp::kSum});
+          if (r == 0) outputs.push_back(y);
+          if (r == 0 && !first_lead && engine.last_window_stats()) first_lead = engine.last_lead_stats();
+        }
+        if (r == 0) lead = engine.last_lead_stats(), stats = engine.last_window_stats();
+      });
+    for (auto& t : threads) t.join();
+    BOOST_TEST_REQUIRE(stats.has_value());
+    BOOST_TEST_CONTEXT("window " << window) {
+      BOOST_TEST(stats->samples(0) == window);  // the second window's, submitted
+      if (window == 8) {                        // not pooled: no lead measured
+        BOOST_TEST(!lead.has_value());
+        continue;
+      }
+      BOOST_TEST_REQUIRE(lead.has_value());
+      BOOST_TEST_REQUIRE(first_lead.has_value());
+      for (size_t l = 0; l < 2; ++l) {
+        BOOST_TEST(first_lead->samples(l) == 0u);  // step 0 leads the first window: not measured
+        double realized = 0;
+        for (uint64_t step : {3u, 4u, 5u})
+          realized += output_error(std::vector<double>(outputs[step].begin(), outputs[step].end()), bucket.layers[l],
+                                   ranks, false, [&](int r) { return input(r, step); });
+        BOOST_TEST(lead->samples(l) == 3u);
+        const double measured = lead->mean(l, 2) * static_cast<double>(lead->samples(l));  // 4 bits, the default
+        BOOST_TEST_CONTEXT("layer " << l << ": measured " << measured << ", realized " << realized) {
+          BOOST_TEST(measured > 0.9 * realized);
+          BOOST_TEST(measured < 1.1 * realized);
+        }
+        // The candidates' errors are ordered as their bit widths.
+        for (uint32_t c = 1; c < candidates.size(); ++c) BOOST_TEST(lead->mean(l, c) < lead->mean(l, c - 1));
+      }
+    }
+  }
 }
 
 // The first window has no window before it to give the first solve a drift; the probe
