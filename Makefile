@@ -360,6 +360,7 @@ test-python: $(LIB) $(BUILD)/bin/lgreco-config $(BUILD)/bin/lgreco-demo $(INTERP
 	$(PYTHON) tests/accuracy/char_lm.py --size quick --check --plot $(BUILD)/accuracy/quick.png --json $(BUILD)/accuracy/quick.jsonl
 	$(PYTHON) tests/accuracy/char_lm.py --report $(BUILD)/accuracy/quick.jsonl
 	$(PYTHON) tests/python/char_lm_report_test.py
+	$(PYTHON) tests/python/drift_law_test.py
 
 # Real training, the full variant (docs/PERF.md, "Real training"): every mode on seed 1,
 # then uniform on seeds 2 and 3 for the run-to-run spread; then the targets' report and
