@@ -176,8 +176,6 @@ void Controller::submit(uint64_t window_last_step, ErrorStats aggregated, std::o
   if (!schedule_.window_ends(window_last_step))
     throw std::invalid_argument("Controller::submit: step " + std::to_string(window_last_step) +
                                 " does not end a measurement window");
-  if (aggregated.layers() != layers_.size() || aggregated.metric() != settings_.metric)
-    throw std::invalid_argument("Controller::submit: statistics of another shape or metric");
   for (const ErrorStats* s : {&aggregated, lead ? &*lead : nullptr}) {
     if (!s) continue;
     if (s->layers() != layers_.size() || s->metric() != settings_.metric)
@@ -373,6 +371,16 @@ std::vector<double> Controller::drift_of(const ErrorStats& stats, uint64_t windo
   return drift;
 }
 
+// The leads join the pools (record_pools, below) only where the probe runs at every step
+// after the warmup: the shadows then see every gradient, and a lead step's are in the
+// state a window step's would be. After a gap (the demo's `--period 20`: 8 steps unprobed
+// of 20) they hold residuals of gradients that many steps old; with its 10-step leads pooled, seed 2's last two epochs reached 1.075
+// and 1.081 of the uniform run's (its windows alone: 1.020).
+bool Controller::pools_lead() const {
+  const ScheduleSettings& s = settings_.schedule;
+  return s.window < kPoolSteps && s.period <= s.window + s.probe_lead;
+}
+
 // A window of a few steps measures a quantizer's error with the noise of the gradients'
 // tails: which buckets a few large values fall in sets their ranges, and so the error,
 // from step to step. In the demo (window 2, period 5) the uniform run's error per step
@@ -399,16 +407,6 @@ std::vector<double> Controller::drift_of(const ErrorStats& stats, uint64_t windo
 // is its own pool, and slow changes of the gradients' shape are followed at once there.
 // TopK and PowerSGD candidates are not pooled: their errors grow with the age of their
 // state, which differs from window to window (transient_of).
-// Only where the probe runs at every step after the warmup: the shadows then see every
-// gradient, and a lead step's are in the state a window step's would be. After a gap (the
-// demo's `--period 20`: 8 steps unprobed of 20) they hold residuals of gradients that
-// many steps old; with its 10-step leads pooled, seed 2's last two epochs reached 1.075
-// and 1.081 of the uniform run's (its windows alone: 1.020).
-bool Controller::pools_lead() const {
-  const ScheduleSettings& s = settings_.schedule;
-  return s.window < kPoolSteps && s.period <= s.window + s.probe_lead;
-}
-
 void Controller::record_pools(const ErrorStats& stats, const ErrorStats* lead, uint64_t window_last) {
   const uint64_t window = std::max<uint64_t>(settings_.schedule.window, 1);
   for (size_t l = 0; l < layers_.size(); ++l) {

@@ -724,10 +724,11 @@ std::unique_ptr<Engine::Staged> Engine::stage(std::shared_ptr<const controller::
     // many calls behind) allocates them, and measures less if it cannot (begin_sample).
     if (spare_samples_.empty() && samples_.empty())
       for (size_t b = 0; b < buckets_.size(); ++b) spare_samples_.push_back(new_sample(static_cast<uint32_t>(b)));
-    // The window's sum: the statistics, the lead's, then the codec's time and elements,
-    // then each rank's slot of exchange times.
+    // The window's sum: the statistics, the lead's (where the controller pools them), then
+    // the codec's time and elements, then each rank's slot of exchange times.
     if (!window_sum_) {
-      const uint64_t bytes = (2 * stats_->reduction_buffer().size() + 2 + n * kMaxTimedExchanges) * sizeof(double);
+      const uint64_t statistics = stats_->reduction_buffer().size() * (controller_->pools_lead() ? 2 : 1);
+      const uint64_t bytes = (statistics + 2 + n * kMaxTimedExchanges) * sizeof(double);
       window_sum_ = backend_.allocate(bytes);
       window_sum_host_ = backend_.allocate_host(bytes);
     }

@@ -735,15 +735,21 @@ std::vector<CodecSpec> quant_bit_candidates() {
   return candidates;
 }
 
-// Four layers of 30000, 50000, 20000 and 4096 values with these candidates.
-BucketLayout four_layer_bucket(const std::vector<CodecSpec>& candidates) {
+// Layers of these sizes ("layer0", ...), each with these candidates, the default the one
+// at `default_candidate`.
+BucketLayout candidate_bucket(const std::vector<uint64_t>& sizes, const std::vector<CodecSpec>& candidates,
+                              uint32_t default_candidate = 2) {
   BucketLayout bucket;
-  const std::vector<uint64_t> sizes = {30000, 50000, 20000, 4096};
   for (size_t l = 0; l < sizes.size(); ++l) {
-    bucket.layers.push_back({"layer" + std::to_string(l), bucket.count, sizes[l], candidates, 2});
+    bucket.layers.push_back({"layer" + std::to_string(l), bucket.count, sizes[l], candidates, default_candidate});
     bucket.count += sizes[l];
   }
   return bucket;
+}
+
+// Four layers of 30000, 50000, 20000 and 4096 values with these candidates.
+BucketLayout four_layer_bucket(const std::vector<CodecSpec>& candidates) {
+  return candidate_bucket({30000, 50000, 20000, 4096}, candidates);
 }
 
 // Adaptive, 3 ranks, sra with the error probe: windows end at steps 1, 7, 13 (warm-up 2,
@@ -964,11 +970,7 @@ BOOST_AUTO_TEST_CASE(measured_errors_are_the_output_errors) {
   for (Algorithm algorithm : {Algorithm::kScatterReduceAllGather, Algorithm::kAllGather})
     for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg}) {
       const int ranks = 4;
-      BucketLayout bucket;
-      for (uint64_t size : {60000u, 90000u}) {
-        bucket.layers.push_back({"layer" + std::to_string(bucket.layers.size()), bucket.count, size, candidates, 2});
-        bucket.count += size;
-      }
+      const BucketLayout bucket = candidate_bucket({60000, 90000}, candidates);
       auto hub = std::make_shared<InProcHub>(ranks, 10000ms);
       std::vector<std::vector<Bytes>> outputs(ranks);
       std::optional<controller::ErrorStats> stats;
@@ -1025,11 +1027,7 @@ BOOST_AUTO_TEST_CASE(the_lead_steps_of_short_windows_are_measured_for_the_pools)
   std::vector<CodecSpec> candidates;
   for (int bits = 2; bits <= 8; ++bits) candidates.push_back(quant(bits));
   const int ranks = 3;
-  BucketLayout bucket;
-  for (uint64_t size : {50000u, 70000u}) {
-    bucket.layers.push_back({"layer" + std::to_string(bucket.layers.size()), bucket.count, size, candidates, 2});
-    bucket.count += size;
-  }
+  const BucketLayout bucket = candidate_bucket({50000, 70000}, candidates);
   auto input = [&](int r, uint64_t step) {
     std::mt19937_64 rng(seed ^ (uint64_t(r) << 40) ^ step);
     std::vector<float> x = test::draw(test::Dist::kNormal, bucket.count, rng);
@@ -1105,11 +1103,7 @@ BOOST_AUTO_TEST_CASE(the_first_windows_lead_measures_the_gradients_magnitude) {
   const std::vector<double> factor = {5.0, 1.7, 1.5, 1.3, 1.1, 0.8, 0.6};  // steps 0..6
   for (Algorithm algorithm : {Algorithm::kScatterReduceAllGather, Algorithm::kAllGather}) {
     const int ranks = 3;
-    BucketLayout bucket;
-    for (uint64_t size : {50000u, 70000u}) {
-      bucket.layers.push_back({"layer" + std::to_string(bucket.layers.size()), bucket.count, size, candidates, 2});
-      bucket.count += size;
-    }
+    const BucketLayout bucket = candidate_bucket({50000, 70000}, candidates);
     auto hub = std::make_shared<InProcHub>(ranks, 10000ms);
     std::optional<controller::ErrorStats> stats;
     std::vector<std::thread> threads;
@@ -1414,11 +1408,7 @@ BOOST_AUTO_TEST_CASE(topk_measured_errors_are_the_output_errors) {
   for (Algorithm algorithm : {Algorithm::kScatterReduceAllGather, Algorithm::kAllGather})
     for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg}) {
       const int ranks = 4;
-      BucketLayout bucket;
-      for (uint64_t size : {60000u, 90000u}) {
-        bucket.layers.push_back({"layer" + std::to_string(bucket.layers.size()), bucket.count, size, candidates, 1});
-        bucket.count += size;
-      }
+      const BucketLayout bucket = candidate_bucket({60000, 90000}, candidates, 1);
       auto hub = std::make_shared<InProcHub>(ranks, 10000ms);
       std::vector<std::vector<std::vector<float>>> outputs(ranks);
       std::vector<std::vector<CallOutcome>> outcomes(ranks);
